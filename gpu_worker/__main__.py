@@ -1,0 +1,95 @@
+"""`gpu-worker`: start one worker pinned to one device, consuming its own batch queue.
+
+    gpu-worker --gpu 0                 # queue <namespace>.gpu.<host>.0, sim backend
+    gpu-worker --gpu 1 --backend sim   # a second device on the same host
+
+``--gpu N`` sets CUDA_VISIBLE_DEVICES=N before any model code is imported, so the process sees exactly one
+device (it runs on the CPU where there is none).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+
+import click
+
+
+@click.command()
+@click.option("--gpu", "device", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Device index; sets CUDA_VISIBLE_DEVICES.")
+@click.option("--backend", default="sim", show_default=True, help="Model backend.")
+@click.option("--model", default=None, help="Model name to serve (default: the backend's own name).")
+@click.option("--host", default=socket.gethostname(), show_default=True, help="Host name used in the queue name.")
+@click.option("--queue", default=None, help="Batch queue to consume (default: <namespace>.gpu.<host>.<gpu>).")
+def main(device: int, backend: str, model: str | None, host: str, queue: str | None) -> None:
+    """Run one GPU worker: one batch at a time, results to Redis, heartbeats to the fleet view."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+
+    import redis
+
+    from gpu_worker.backends import load_backend
+    from gpu_worker.heartbeat import HeartbeatStep, WorkerRuntime
+    from gpu_worker.runner import BatchRunner, WorkerState
+    from tasks.celery_app import RUN_BATCH, make_celery
+    from tasks.config import Settings
+    from tasks.fleet import BatchFinished, Fleet, fleet_exchange
+    from tasks.request_queue import RETRY_POLICY
+    from tasks.logs import setup_logging
+    from tasks.results import ResultWriter
+    from tasks.schema import Batch
+
+    settings = Settings.from_env()
+    setup_logging(settings)
+    try:
+        model_backend = load_backend(backend, settings, model)
+    except Exception as exc:  # a worker that cannot load its model must not start half-alive
+        click.echo(f"gpu-worker: cannot load backend {backend!r}: {exc}", err=True)
+        sys.exit(2)
+
+    queue = queue or settings.gpu_queue(host, device)
+    worker_id = f"gpu{device}@{host}"
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    state = WorkerState()
+    runner = BatchRunner(
+        model_backend,
+        ResultWriter(client, lambda item_id: settings.key("result", item_id), settings.result_ttl_s,
+                     settings.key("stats", "items_done")),
+        worker_id, state,
+    )
+    fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_interval_s * settings.heartbeat_stale_factor)
+
+    app = make_celery(settings)
+    app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
+                                            fleet, state, settings)
+    app.steps["worker"].add(HeartbeatStep)
+
+    announcements = fleet_exchange(settings.namespace)
+
+    def announce(batch_id: str) -> None:
+        """Tell every batcher this worker has a free slot (the scheduler's completion signal)."""
+        try:
+            with app.producer_or_acquire() as producer:
+                producer.publish(BatchFinished(worker_id, batch_id).to_dict(), exchange=announcements,
+                                 routing_key="", declare=[announcements], serializer="json",
+                                 retry=True, retry_policy=RETRY_POLICY)
+        except Exception as exc:  # the scheduler forgets the batch after a while; never fail the batch for this
+            logging.getLogger("llmb.worker").warning("could not announce batch %s: %s", batch_id, exc)
+
+    @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)
+    def run_batch(batch: dict) -> dict:  # type: ignore[type-arg]
+        decoded = Batch.from_dict(batch)
+        try:
+            return runner.run(decoded)
+        finally:
+            announce(decoded.id)
+
+    app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={queue}",
+                     f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
+                     f"--prefetch-multiplier={settings.max_outstanding_batches}",
+                     "--without-gossip", "--without-mingle", "--task-events"])
+
+
+if __name__ == "__main__":
+    main()

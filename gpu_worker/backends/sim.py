@@ -1,0 +1,31 @@
+"""A simulated accelerator for tests, benchmarks and capacity planning.
+
+A batch of up to ``max_batch`` inputs takes ``batch_ms`` plus ``item_ms`` per input, however full it is (the
+shape of a real GPU's cost curve); each output is derived deterministically from its input, so a test can
+check that every caller got its own answer.
+"""
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from typing import Sequence
+
+
+def sim_output(text: str) -> str:
+    """The sim model's answer to ``text``: a short digest, different for different inputs."""
+    return "sim:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+@dataclass
+class SimBackend:
+    name: str = "sim"
+    batch_ms: float = 250.0
+    item_ms: float = 0.0
+    max_batch: int = 100
+
+    def run(self, inputs: Sequence[str]) -> list[str]:
+        if len(inputs) > self.max_batch:
+            raise ValueError(f"batch of {len(inputs)} exceeds the simulated device's {self.max_batch}")
+        time.sleep((self.batch_ms + self.item_ms * len(inputs)) / 1000)
+        return [sim_output(text) for text in inputs]

@@ -1,0 +1,74 @@
+"""Heartbeat: a worker bootstep whose thread reports this worker to the fleet view at a fixed interval.
+
+A thread, not a timer on the event loop, because the solo pool blocks the loop while a batch runs, and a
+busy worker is exactly the one whose state the scheduler needs.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from celery import bootsteps
+from celery.worker import state as celery_state
+
+from gpu_worker.runner import WorkerState
+from tasks.config import Settings
+from tasks.fleet import Fleet, WorkerInfo
+
+log = logging.getLogger("llmb.worker")
+
+
+class HeartbeatStep(bootsteps.StartStopStep):
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, w: Any, **kwargs: Any) -> None:
+        super().__init__(w, **kwargs)
+        self.runtime = w.app.conf["llmb_worker"]
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self, w: Any) -> None:
+        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self, w: Any) -> None:
+        self._stop.set()
+        try:
+            self.runtime.fleet.leave(self.runtime.worker_id)  # leave the pool at once on a clean shutdown
+        except Exception as exc:  # Redis may be gone; the entry goes stale on its own
+            log.warning("could not remove heartbeat: %s", exc)
+
+    def _loop(self) -> None:
+        interval = self.runtime.settings.heartbeat_interval_s
+        while not self._stop.is_set():
+            try:
+                self.runtime.fleet.beat(self.runtime.info())
+            except Exception as exc:  # keep beating: Redis may come back
+                log.warning("heartbeat failed: %s", exc)
+            self._stop.wait(interval)
+
+
+class WorkerRuntime:
+    """What one worker process is: its id, queue, backend and live state."""
+
+    def __init__(self, worker_id: str, queue: str, model: str, max_batch: int, fleet: Fleet,
+                 state: WorkerState, settings: Settings) -> None:
+        self.worker_id = worker_id
+        self.queue = queue
+        self.model = model
+        self.max_batch = max_batch
+        self.fleet = fleet
+        self.state = state
+        self.settings = settings
+
+    def info(self) -> WorkerInfo:
+        started = self.state.batch_started_at
+        return WorkerInfo(
+            id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
+            state="busy" if started is not None else "idle",
+            outstanding=len(celery_state.reserved_requests),
+            completed=self.state.completed, batch_started_at=started,
+            batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=time.time(),
+        )

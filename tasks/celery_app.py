@@ -1,0 +1,47 @@
+"""The Celery app shared by the batcher and the GPU workers.
+
+Batches are Celery tasks (``RUN_BATCH``), so Flower shows every GPU worker and every batch. Requests are
+*not* tasks: the batcher consumes them with its own bootstep (:mod:`tasks.consumer`).
+"""
+from __future__ import annotations
+
+from celery import Celery
+
+from tasks.config import Settings
+
+RUN_BATCH = "llmb.run_batch"
+
+
+def make_celery(settings: Settings) -> Celery:
+    app = Celery("llmb", broker=settings.broker_url, set_as_current=True)
+    app.conf.update(
+        llmb_settings=settings,
+        task_serializer="json",
+        accept_content=["json"],
+        task_ignore_result=True,  # outputs travel through Redis keys, not a result backend
+        task_acks_late=True,  # a batch is acknowledged after it ran: a crashed worker's batch is redelivered
+        task_reject_on_worker_lost=True,
+        worker_prefetch_multiplier=settings.max_outstanding_batches,
+        broker_transport_options={"confirm_publish": True},
+        broker_connection_retry_on_startup=True,
+        broker_connection_max_retries=None,
+        task_default_queue=settings.batcher_queue,  # never the shared default 'celery' queue
+        task_create_missing_queues=True,
+        worker_send_task_events=True,  # Flower
+        task_send_sent_event=True,
+        worker_hijack_root_logger=False,
+        worker_redirect_stdouts=False,
+        worker_cancel_long_running_tasks_on_connection_loss=True,
+    )
+    return app
+
+
+def settings_of(app: Celery) -> Settings:
+    settings = app.conf.get("llmb_settings")
+    if not isinstance(settings, Settings):
+        raise RuntimeError("this Celery app was not built by tasks.celery_app.make_celery")
+    return settings
+
+
+# For Celery's own tools: `celery -A tasks.celery_app flower`, `celery -A tasks.celery_app inspect active`.
+app = make_celery(Settings.from_env())

@@ -1,0 +1,129 @@
+"""All configuration in one place.
+
+Every setting is an environment variable prefixed ``LLMB_`` with a documented default (:data:`DOCS`; the README's table
+is printed from it by ``python -m tasks.config``). Settings are loaded once per process with
+:meth:`Settings.from_env` and passed down through constructors: nothing else reads the environment.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Mapping
+
+PREFIX = "LLMB_"
+
+
+@dataclass(frozen=True)
+class Settings:
+    broker_url: str = "amqp://guest:guest@127.0.0.1:5672//"
+    redis_url: str = "redis://127.0.0.1:6379/0"
+    namespace: str = "llmb"
+    database_url: str = "sqlite:///var/llmb.db"
+    default_model: str = "sim"
+
+    max_batch_size: int = 100
+    max_wait_ms: float = 20.0
+    batcher_prefetch: int = 1000
+
+    admission_cap: int = 10000
+    max_inputs_per_call: int = 100
+    max_body_bytes: int = 1_048_576
+    default_timeout_ms: int = 30_000
+    max_timeout_ms: int = 300_000
+    retry_after_s: int = 1
+    result_ttl_s: int = 300
+    result_recheck_ms: float = 500.0
+    redis_pool_size: int = 50
+    broker_pool_size: int = 10
+
+    web_bind: str = "127.0.0.1:8000"
+    web_workers: int = 2
+    web_connections: int = 2000
+
+    heartbeat_interval_s: float = 1.0
+    heartbeat_stale_factor: float = 3.0
+    max_outstanding_batches: int = 2
+
+    sim_batch_ms: float = 250.0
+    sim_item_ms: float = 0.0
+    sim_max_batch: int = 100
+
+    log_level: str = "INFO"
+    log_json: bool = False
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> "Settings":
+        """Build settings from ``LLMB_*`` variables; ``overrides`` win over the environment."""
+        env = os.environ if environ is None else environ
+        values: dict[str, object] = {}
+        for f in fields(cls):
+            raw = env.get(PREFIX + f.name.upper())
+            if raw is None:
+                continue
+            kind = type(f.default)
+            try:
+                values[f.name] = kind(raw) if kind is not bool else raw.lower() in ("1", "true", "yes")
+            except ValueError:
+                raise ValueError(f"{PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
+        values.update(overrides)
+        return cls(**values)  # type: ignore[arg-type]
+
+    # Names derived from the namespace, so every component agrees on them.
+    @property
+    def request_queue(self) -> str:
+        return f"{self.namespace}.requests"
+
+    @property
+    def batcher_queue(self) -> str:
+        """Celery's own queue for the batcher worker (control only: requests arrive on request_queue)."""
+        return f"{self.namespace}.batcher"
+
+    def gpu_queue(self, host: str, device: int | str) -> str:
+        return f"{self.namespace}.gpu.{host}.{device}"
+
+    def key(self, *parts: str) -> str:
+        return ":".join((self.namespace, *parts))
+
+
+def documented_settings() -> list[tuple[str, object, str]]:
+    """(variable, default, doc) for every setting: the source of the README's configuration table."""
+    return [(PREFIX + f.name.upper(), f.default, DOCS[f.name]) for f in fields(Settings)]
+
+
+DOCS: dict[str, str] = {
+    "broker_url": "RabbitMQ URL (kombu syntax).",
+    "redis_url": "Redis URL for results, heartbeats and counters.",
+    "namespace": "Prefix of every queue name and Redis key; lets several systems share one broker and Redis.",
+    "database_url": "SQLAlchemy URL of the outcome ledger (SQLite file by default).",
+    "default_model": "Model used when a request names none.",
+    "max_batch_size": "A batch is flushed as soon as it holds this many items.",
+    "max_wait_ms": "...or when its first item has waited this long.",
+    "batcher_prefetch": "Request messages the batcher may hold unacknowledged (its buffer bound).",
+    "admission_cap": "Items admitted and not yet answered, across all API processes; over it: 429.",
+    "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
+    "max_body_bytes": "Largest request body; larger bodies get 413.",
+    "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",
+    "max_timeout_ms": "Largest timeout_ms a caller may ask for.",
+    "retry_after_s": "Retry-After sent with 429.",
+    "result_ttl_s": "How long a result key lives in Redis.",
+    "result_recheck_ms": "A waiting request re-reads its keys this often even without a wake-up.",
+    "redis_pool_size": "Redis connections per API process (shared by all waiting requests).",
+    "broker_pool_size": "RabbitMQ connections per API process used for publishing.",
+    "web_bind": "Address gunicorn listens on.",
+    "web_workers": "gunicorn worker processes (each holds many waiting requests on gevent).",
+    "web_connections": "Simultaneous connections per gunicorn worker process.",
+    "heartbeat_interval_s": "How often a GPU worker reports to Redis.",
+    "heartbeat_stale_factor": "A worker silent for this many intervals leaves the pool.",
+    "max_outstanding_batches": "Batches sent to one worker and not finished (one running, one waiting); beyond it the batcher keeps accumulating.",
+    "sim_batch_ms": "sim backend: fixed time per batch.",
+    "sim_item_ms": "sim backend: extra time per item in the batch.",
+    "sim_max_batch": "sim backend: most items the simulated device takes at once.",
+    "log_level": "Log level of every process.",
+    "log_json": "Log one JSON object per line instead of plain text.",
+}
+
+
+if __name__ == "__main__":
+    print("| Variable | Default | What it does |\n|---|---|---|")
+    for name, default, doc in documented_settings():
+        print(f"| `{name}` | `{default}` | {doc} |")

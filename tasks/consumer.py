@@ -1,0 +1,161 @@
+"""The batcher process: a Celery worker whose only job is a bootstep consuming the request queue.
+
+The bootstep is glue between kombu and :class:`tasks.batcher.Batcher`: it decodes messages at the edge,
+arms one timer on the worker's event loop for the next flush, refreshes the fleet view from Redis, and
+publishes each batch as a Celery task to the chosen worker's own queue, with publisher confirms.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import time
+import uuid
+from typing import Any
+
+import click
+import redis
+from celery import Celery, bootsteps
+from kombu import Consumer, Message, Queue
+
+from tasks.batcher import Batcher
+from tasks.celery_app import RUN_BATCH, make_celery, settings_of
+from tasks.config import Settings
+from tasks.fleet import Fleet, WorkerInfo, fleet_exchange
+from tasks.flush import FlushPolicy
+from tasks.logs import setup_logging
+from tasks.request_queue import RETRY_POLICY, request_queue
+from tasks.schema import Batch, InferenceRequest
+
+log = logging.getLogger("llmb.batcher")
+
+
+class BatchingStep(bootsteps.ConsumerStep):
+    """Consumes ``<namespace>.requests`` with a prefetch window as deep as the batcher's buffer."""
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        super().__init__(c, **kwargs)
+        self.app: Celery = c.app
+        self.settings = settings_of(c.app)
+        s = self.settings
+        self.fleet = Fleet(redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2),
+                           s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
+        self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000), self._dispatch,
+                               self._live_workers, max_outstanding=s.max_outstanding_batches)
+        self._workers: list[WorkerInfo] = []
+        self._workers_at = 0.0
+        self._timer: Any = None
+        self._timer_eta = float("inf")
+        self._tick: Any = None
+        self._c = c
+
+    def get_consumers(self, channel: Any) -> list[Consumer]:
+        s = self.settings
+        announcements = Queue(f"{s.namespace}.fleet.{uuid.uuid4().hex}", exchange=fleet_exchange(s.namespace),
+                              exclusive=True, auto_delete=True, durable=False)
+        return [
+            Consumer(channel, queues=[request_queue(s.request_queue)], on_message=self._on_message,
+                     prefetch_count=s.batcher_prefetch, accept=["json"]),
+            Consumer(channel, queues=[announcements], on_message=self._on_finished, no_ack=True, accept=["json"]),
+        ]
+
+    def start(self, c: Any) -> None:
+        super().start(c)
+        self._tick = c.timer.call_repeatedly(self.settings.heartbeat_interval_s / 2, self._on_tick)
+        log.info("batcher consuming %s (max_batch_size=%d, max_wait_ms=%g)", self.settings.request_queue,
+                 self.settings.max_batch_size, self.settings.max_wait_ms)
+
+    def stop(self, c: Any) -> None:
+        self._cancel_timers()
+        dropped = self.batcher.discard_all()  # unacknowledged: RabbitMQ redelivers them
+        if dropped:
+            log.info("consumer stopping: %d buffered items left to the broker for redelivery", dropped)
+        super().stop(c)
+
+    def shutdown(self, c: Any) -> None:
+        self._cancel_timers()
+        self.batcher.discard_all()
+        super().shutdown(c)
+
+    # -- kombu callbacks -----------------------------------------------------------------------------
+    def _on_message(self, message: Message) -> None:
+        try:
+            request = InferenceRequest.from_dict(json.loads(message.body))
+        except ValueError as exc:  # json.JSONDecodeError is a ValueError
+            log.error("dropping malformed request message: %s", exc)
+            message.ack()
+            return
+        self._arm(self.batcher.add(request, message.ack))
+
+    def _on_finished(self, message: Message) -> None:
+        try:
+            event = json.loads(message.body)
+            worker, batch_id = str(event["worker"]), str(event["batch_id"])
+        except (ValueError, KeyError, TypeError):
+            log.warning("ignoring malformed fleet announcement")
+            return
+        self._arm(self.batcher.finished(worker, batch_id))
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self._timer_eta = float("inf")
+        self._arm(self.batcher.poll())
+
+    def _on_tick(self) -> None:
+        """Periodic: refresh the fleet and retry batches held back for want of a worker."""
+        self._workers_at = 0.0
+        self._arm(self.batcher.poll())
+
+    def _arm(self, delay: float | None) -> None:
+        if delay is None:
+            return
+        eta = time.monotonic() + delay
+        if eta >= self._timer_eta:
+            return
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._c.timer.call_after(max(delay, 0.0), self._on_timer)
+        self._timer_eta = eta
+
+    def _cancel_timers(self) -> None:
+        for entry in (self._timer, self._tick):
+            if entry is not None:
+                entry.cancel()
+        self._timer = self._tick = None
+        self._timer_eta = float("inf")
+
+    # -- I/O handed to the Batcher -------------------------------------------------------------------
+    def _live_workers(self) -> list[WorkerInfo]:
+        now = time.monotonic()
+        if now - self._workers_at > self.settings.heartbeat_interval_s / 2:
+            try:
+                self._workers = self.fleet.live(time.time())
+            except redis.RedisError as exc:
+                log.warning("cannot read the fleet from Redis (%s); keeping the last view", exc)
+            self._workers_at = now
+        return self._workers
+
+    def _dispatch(self, batch: Batch, worker: WorkerInfo) -> None:
+        self.app.send_task(
+            RUN_BATCH, args=[batch.to_dict()], queue=worker.queue, task_id=batch.id,
+            argsrepr=f"batch of {len(batch.items)} for {batch.model}", retry=True, retry_policy=RETRY_POLICY,
+        )
+        log.debug("batch %s size=%d -> %s", batch.id, len(batch.items), worker.id)
+
+
+@click.command()
+@click.option("--hostname", default=f"batcher@{socket.gethostname()}", show_default=True,
+              help="Celery node name of this batcher.")
+def main(hostname: str) -> None:
+    """Run the batcher: consume requests, form batches, route them to GPU workers."""
+    settings = Settings.from_env()
+    setup_logging(settings)
+    app = make_celery(settings)
+    app.steps["consumer"].add(BatchingStep)
+    app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={settings.batcher_queue}",
+                     f"--hostname={hostname}", f"--loglevel={settings.log_level}", "--without-gossip",
+                     "--without-mingle", "--task-events"])
+
+
+if __name__ == "__main__":
+    main()

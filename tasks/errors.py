@@ -1,0 +1,56 @@
+"""Named failures. Each maps to one HTTP status in ``webapp.errors``, and nowhere else."""
+from __future__ import annotations
+
+
+class BatchingError(Exception):
+    """Base of every failure a caller can be told about."""
+
+    status = 500
+    type = "internal_error"
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.retry_after_s = retry_after_s
+
+
+class InvalidInput(BatchingError):
+    """Raised when a request body or one of its fields is malformed."""
+
+    status = 400
+    type = "invalid_request"
+
+
+class PayloadTooLarge(BatchingError):
+    """Raised when a body exceeds the configured size limit."""
+
+    status = 413
+    type = "payload_too_large"
+
+
+class QueueFull(BatchingError):
+    """Raised when admitting the request would exceed the admission cap."""
+
+    status = 429
+    type = "queue_full"
+
+
+class Unavailable(BatchingError):
+    """Raised when RabbitMQ or Redis cannot be reached, or no GPU worker is alive."""
+
+    status = 503
+    type = "unavailable"
+
+
+class DeadlineExceeded(BatchingError):
+    """Raised when a request's deadline passes before its output arrives."""
+
+    status = 504
+    type = "deadline_exceeded"
+
+
+class InferenceFailed(BatchingError):
+    """Raised when the model raised on the batch that carried this request."""
+
+    status = 500
+    type = "inference_failed"

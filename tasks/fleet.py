@@ -1,0 +1,85 @@
+"""The live fleet view: GPU workers' heartbeats in Redis.
+
+Each worker overwrites one field of a single Redis hash at a fixed interval, so reading the whole fleet is
+one HGETALL. A worker whose last heartbeat is older than ``heartbeat_stale_factor`` intervals is stale: it
+is left out of :meth:`Fleet.live` and pruned from the hash. Timestamps are epoch seconds (they cross hosts).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import redis
+from kombu import Exchange
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str  # Celery hostname, e.g. gpu0@host
+    queue: str  # the worker's own batch queue
+    model: str
+    max_batch: int
+    state: str  # "idle" or "busy"
+    outstanding: int  # batches received and not finished, the running one included
+    completed: int  # batches finished since the worker started
+    batch_started_at: float | None  # when the running batch started, if busy
+    batch_ms_estimate: float  # moving average of batch run time
+    heartbeat_at: float
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "WorkerInfo":
+        return cls(**json.loads(raw))
+
+
+class Fleet:
+    """Reads and writes heartbeats. Thin: the routing decision lives in :mod:`tasks.scheduler`."""
+
+    def __init__(self, client: redis.Redis, key: str, stale_after_s: float) -> None:
+        self.client = client
+        self.key = key
+        self.stale_after_s = stale_after_s
+
+    def beat(self, info: WorkerInfo) -> None:
+        self.client.hset(self.key, info.id, info.to_json())
+
+    def leave(self, worker_id: str) -> None:
+        self.client.hdel(self.key, worker_id)
+
+    def all(self) -> list[WorkerInfo]:
+        workers = []
+        for raw in self.client.hgetall(self.key).values():
+            try:
+                workers.append(WorkerInfo.from_json(raw))
+            except (ValueError, TypeError):
+                continue  # a heartbeat from an incompatible version: ignore rather than crash the reader
+        return workers
+
+    def live(self, now: float) -> list[WorkerInfo]:
+        return [w for w in self.all() if now - w.heartbeat_at <= self.stale_after_s]
+
+    def prune(self, now: float) -> list[str]:
+        """Remove stale workers from the hash; returns their ids."""
+        stale = [w.id for w in self.all() if now - w.heartbeat_at > self.stale_after_s]
+        if stale:
+            self.client.hdel(self.key, *stale)
+        return stale
+
+
+def fleet_exchange(namespace: str) -> Exchange:
+    """Fanout on which workers announce each finished batch; every batcher binds its own exclusive queue.
+
+    Announcements are transient: one lost only delays the scheduler (see Scheduler.forget_after_s).
+    """
+    return Exchange(f"{namespace}.fleet", type="fanout", durable=False, delivery_mode=1)
+
+
+@dataclass(frozen=True)
+class BatchFinished:
+    worker: str
+    batch_id: str
+
+    def to_dict(self) -> dict[str, str]:
+        return asdict(self)

@@ -1,0 +1,136 @@
+"""The API side of the pipeline, free of HTTP: admit a call, publish it, wait for its outputs.
+
+The web app is a thin shell over :meth:`Gateway.submit`; anything else that submits work (the admin CLI's
+replay, a benchmark) can use the same path.
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+import redis
+from amqp.exceptions import AMQPError
+from kombu.exceptions import KombuError
+
+from tasks.admission import Admission
+from tasks.config import Settings
+from tasks.errors import DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
+from tasks.fleet import Fleet
+from tasks.request_queue import RequestPublisher
+from tasks.results import ResultListener
+from tasks.schema import InferenceRequest, Item, ItemResult
+
+log = logging.getLogger(__name__)
+
+BROKER_ERRORS = (KombuError, AMQPError, OSError)
+
+
+@dataclass(frozen=True)
+class Call:
+    """One validated API call."""
+
+    request_id: str
+    tenant: str
+    model: str
+    inputs: tuple[str, ...]
+    timeout_ms: int
+
+
+@dataclass(frozen=True)
+class Answer:
+    """Every item's result, in input order, with when the call was accepted."""
+
+    results: tuple[ItemResult, ...]
+    accepted_at: float
+
+
+class Gateway:
+    def __init__(self, settings: Settings, client: redis.Redis, publisher: RequestPublisher, instance_id: str) -> None:
+        self.settings = settings
+        self.client = client
+        self.publisher = publisher
+        self.reply_to = settings.key("replies", instance_id)
+        self.admission = Admission(client, settings.key("inflight"), settings.admission_cap)
+        self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_interval_s * settings.heartbeat_stale_factor)
+        self.listener = ResultListener(
+            client, self.reply_to, lambda item_id: settings.key("result", item_id), settings.result_recheck_ms / 1000
+        )
+        self._models: set[str] = set()
+        self._models_checked = 0.0
+
+    def live_models(self) -> set[str]:
+        """Models served by at least one live worker; cached for half a heartbeat interval."""
+        now = time.monotonic()
+        if now - self._models_checked > self.settings.heartbeat_interval_s / 2:
+            try:
+                self._models = {w.model for w in self.fleet.live(time.time())}
+            except redis.RedisError as exc:
+                raise Unavailable(f"Redis is unreachable: {exc}") from None
+            self._models_checked = now
+        return self._models
+
+    def submit(self, call: Call) -> Answer:
+        """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure."""
+        started = time.monotonic()
+        accepted_at = time.time()
+        deadline_mono = started + call.timeout_ms / 1000
+        models = self.live_models()
+        if call.model not in models:
+            served = ", ".join(sorted(models)) or "none"
+            raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
+
+        items = tuple(Item(id=uuid.uuid4().hex, input=text) for text in call.inputs)
+        ids = [i.id for i in items]
+        request = InferenceRequest(
+            id=call.request_id, tenant=call.tenant, model=call.model, items=items,
+            accepted_at=accepted_at, deadline=accepted_at + call.timeout_ms / 1000, reply_to=self.reply_to,
+        )
+        try:
+            admitted = self.admission.try_admit(ids, now=accepted_at, deadline=request.deadline)
+        except redis.RedisError as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+        if not admitted:
+            raise QueueFull(
+                f"the service is at its admission cap ({self.settings.admission_cap} items in flight); retry later",
+                retry_after_s=self.settings.retry_after_s,
+            )
+        try:
+            self.listener.start()
+            try:
+                self.publisher.publish(request)
+            except BROKER_ERRORS as exc:
+                raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
+            try:
+                found = self.listener.wait(ids, deadline_mono)
+            except redis.RedisError as exc:
+                raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
+        finally:
+            try:
+                self.admission.release(ids)
+            except redis.RedisError:
+                pass  # the member expires at its deadline anyway
+        if len(found) < len(ids):
+            raise DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
+        results = tuple(found[i] for i in ids)
+        failed = next((r for r in results if r.error), None)
+        if failed is not None:
+            raise InferenceFailed(failed.message or "the model failed on this input")
+        return Answer(results=results, accepted_at=accepted_at)
+
+    def ping(self) -> dict[str, object]:
+        """Readiness: broker and Redis reachable, and the live workers. Raises Unavailable otherwise."""
+        try:
+            self.client.ping()
+            workers = self.fleet.live(time.time())
+        except redis.RedisError as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+        try:
+            self.publisher.ping()
+        except BROKER_ERRORS as exc:
+            raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
+        if not workers:
+            raise Unavailable("no GPU worker is alive (no heartbeat in the last "
+                              f"{self.fleet.stale_after_s:g} s); start one with `gpu-worker --gpu 0`")
+        return {"workers": len(workers), "models": sorted({w.model for w in workers})}

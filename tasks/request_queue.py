@@ -1,0 +1,57 @@
+"""The durable RabbitMQ queue of inference requests, and the publisher API processes use to feed it.
+
+One message per HTTP call (all of its items), published with publisher confirms so that a 200 from
+:meth:`RequestPublisher.publish` means RabbitMQ has the request. The message also expires in the broker at
+the caller's deadline, so work nobody waits for is dropped even if no batcher is running.
+"""
+from __future__ import annotations
+
+import json
+
+from kombu import Connection, Queue
+
+from tasks.schema import InferenceRequest
+
+RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+
+
+def request_queue(name: str) -> Queue:
+    """Declared identically by publishers and the batcher (a mismatch would make RabbitMQ refuse one)."""
+    return Queue(name, durable=True, routing_key=name)
+
+
+class RequestPublisher:
+    """Publishes from many greenlets or threads: each publish borrows a connection from a bounded pool."""
+
+    def __init__(self, broker_url: str, queue_name: str, pool_size: int) -> None:
+        self.queue = request_queue(queue_name)
+        self.connection = Connection(
+            broker_url, connect_timeout=2, transport_options={"confirm_publish": True}
+        )
+        self.pool = self.connection.Pool(limit=pool_size)
+
+    def publish(self, request: InferenceRequest) -> None:
+        """Publish and wait for the broker's confirm; raises kombu/amqp/OS errors if it cannot."""
+        ttl_s = max(request.deadline - request.accepted_at, 0.001)
+        with self.pool.acquire(block=True, timeout=5) as conn:
+            producer = conn.Producer()
+            conn.ensure(producer, producer.publish, **RETRY_POLICY)(
+                json.dumps(request.to_dict()),
+                exchange="",
+                routing_key=self.queue.name,
+                declare=[self.queue],
+                content_type="application/json",
+                content_encoding="utf-8",
+                delivery_mode=2,
+                expiration=ttl_s,
+                correlation_id=request.id,
+                headers={"tenant": request.tenant, "model": request.model},
+            )
+
+    def ping(self) -> None:
+        """Raise if RabbitMQ cannot be reached."""
+        with self.pool.acquire(block=True, timeout=5) as conn:
+            conn.ensure_connection(max_retries=1)
+
+    def close(self) -> None:
+        self.pool.force_close_all()

@@ -1,0 +1,140 @@
+"""The result path: workers write outputs to Redis keys; API processes wait for them.
+
+The key per item is the source of truth. The pub/sub message that follows is only a wake-up: a waiter that
+misses it still finds its result by re-reading its keys every ``recheck_s`` and once more at its deadline.
+Each API process holds one pub/sub connection for all of its waiters (:class:`ResultListener`), so Redis
+connections do not grow with the number of waiting requests.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Sequence
+
+import redis
+
+from tasks.schema import BatchItem, ItemResult
+
+log = logging.getLogger(__name__)
+
+
+class ResultWriter:
+    """Used by GPU workers: one Redis round trip per batch for all outputs and wake-ups."""
+
+    def __init__(self, client: redis.Redis, key: Callable[[str], str], ttl_s: int, counter_key: str) -> None:
+        self.client = client
+        self.key = key
+        self.ttl_s = ttl_s
+        self.counter_key = counter_key
+
+    def write(self, results: Iterable[tuple[BatchItem, ItemResult]]) -> None:
+        pipe = self.client.pipeline(transaction=False)
+        by_channel: dict[str, list[str]] = defaultdict(list)
+        count = 0
+        for item, result in results:
+            pipe.set(self.key(item.id), json.dumps(result.to_dict()), ex=self.ttl_s)
+            by_channel[item.reply_to].append(item.id)
+            count += 1
+        if not count:
+            return
+        pipe.incrby(self.counter_key, count)
+        for channel, ids in by_channel.items():
+            pipe.publish(channel, ",".join(ids))
+        pipe.execute()
+
+
+class _Waiter:
+    __slots__ = ("event",)
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+
+class ResultListener:
+    """One per API process: a single subscription that wakes whichever request's items just finished.
+
+    Under gunicorn's gevent worker, ``threading`` is monkey-patched, so the listener is a greenlet and each
+    waiter's event is a gevent event; without gevent they are real threads and events, and it works the same.
+    """
+
+    def __init__(self, client: redis.Redis, channel: str, key: Callable[[str], str], recheck_s: float) -> None:
+        self.client = client
+        self.channel = channel
+        self.key = key
+        self.recheck_s = recheck_s
+        self._waiters: dict[str, _Waiter] = {}
+        self._started = False
+        self._start_lock = threading.Lock()
+        self._stopping = False
+
+    def start(self) -> None:
+        """Start the listener once, lazily, in the process that will wait (after gunicorn forks)."""
+        if self._started:
+            return
+        with self._start_lock:
+            if not self._started:
+                threading.Thread(target=self._listen, name="result-listener", daemon=True).start()
+                self._started = True
+
+    def stop(self) -> None:
+        self._stopping = True
+
+    def wait(self, item_ids: Sequence[str], deadline: float) -> dict[str, ItemResult]:
+        """Block until every item has a result or the monotonic ``deadline`` passes.
+
+        Returns whatever results exist by then (possibly fewer than asked for: the caller decides it is a
+        timeout). Never waits past the deadline.
+        """
+        self.start()
+        waiter = _Waiter()
+        for item_id in item_ids:
+            self._waiters[item_id] = waiter
+        results: dict[str, ItemResult] = {}
+        pending = list(item_ids)
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining > 0:
+                    waiter.event.wait(min(remaining, self.recheck_s))
+                    waiter.event.clear()
+                results.update(self.fetch(pending))
+                pending = [i for i in pending if i not in results]
+                if not pending or remaining <= 0:
+                    return results
+        finally:
+            for item_id in item_ids:
+                self._waiters.pop(item_id, None)
+
+    def fetch(self, item_ids: Sequence[str]) -> dict[str, ItemResult]:
+        if not item_ids:
+            return {}
+        raw = self.client.mget([self.key(i) for i in item_ids])
+        return {i: ItemResult.from_dict(json.loads(r)) for i, r in zip(item_ids, raw) if r is not None}
+
+    def _wake(self, item_ids: Iterable[str]) -> None:
+        for item_id in item_ids:
+            waiter = self._waiters.get(item_id)
+            if waiter is not None:
+                waiter.event.set()
+
+    def _listen(self) -> None:
+        while not self._stopping:
+            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
+            try:
+                pubsub.subscribe(self.channel)
+                self._wake(list(self._waiters))  # anything published while we were away: re-read the keys
+                while not self._stopping:
+                    message = pubsub.get_message(timeout=1.0)
+                    if message and message["type"] == "message":
+                        self._wake(message["data"].decode().split(","))
+            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
+                log.warning("result listener lost Redis (%s); reconnecting", exc)
+                time.sleep(0.5)
+            finally:
+                try:
+                    pubsub.close()
+                except Exception:  # closing a broken connection may raise; nothing left to clean
+                    pass

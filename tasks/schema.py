@@ -1,0 +1,101 @@
+"""Messages that cross process boundaries, as frozen dataclasses decoded at the edge.
+
+Wire format is JSON. Deadlines and timestamps are wall-clock epoch seconds because they travel between
+machines (hosts are assumed NTP-synchronised); each process converts them to its own monotonic clock
+before any policy sees them.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Item:
+    """One input to run; ``id`` is server-generated and unique, so outputs can never cross callers."""
+
+    id: str
+    input: str
+
+
+@dataclass(frozen=True)
+class InferenceRequest:
+    """One HTTP call as published to the request queue; it carries one or more items."""
+
+    id: str  # correlation id (X-Request-Id)
+    tenant: str
+    model: str
+    items: tuple[Item, ...]
+    accepted_at: float
+    deadline: float
+    reply_to: str  # Redis channel of the API process holding the connection
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "InferenceRequest":
+        """Decode a request message; raises ValueError on anything malformed."""
+        try:
+            items = tuple(Item(id=str(i["id"]), input=str(i["input"])) for i in d["items"])
+            if not items:
+                raise ValueError("request has no items")
+            return cls(
+                id=str(d["id"]), tenant=str(d["tenant"]), model=str(d["model"]), items=items,
+                accepted_at=float(d["accepted_at"]), deadline=float(d["deadline"]), reply_to=str(d["reply_to"]),
+            )
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"malformed request message: {exc!r}") from None
+
+
+@dataclass(frozen=True)
+class BatchItem:
+    """An item as a worker sees it: enough to run it, answer it, and drop it if its caller is gone."""
+
+    id: str
+    request_id: str
+    input: str
+    deadline: float
+    accepted_at: float
+    reply_to: str
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What the batcher hands to one GPU worker: one Celery task."""
+
+    id: str
+    model: str
+    items: tuple[BatchItem, ...]
+    created_at: float
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Batch":
+        return cls(
+            id=str(d["id"]), model=str(d["model"]), created_at=float(d["created_at"]),
+            items=tuple(BatchItem(**i) for i in d["items"]),
+        )
+
+
+@dataclass(frozen=True)
+class ItemResult:
+    """What a worker writes to an item's result key: an output or an error, plus where and when it ran."""
+
+    output: Any = None
+    error: str | None = None  # error type, e.g. "inference_failed"
+    message: str | None = None
+    batch_id: str = ""
+    batch_size: int = 0
+    worker: str = ""
+    started_at: float = 0.0
+    run_ms: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "ItemResult":
+        return cls(**d)

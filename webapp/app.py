@@ -1,0 +1,95 @@
+"""Flask app factory and routes.
+
+    gunicorn -c webapp/gunicorn_conf.py 'webapp:create_app()'
+"""
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+
+import redis
+from flask import Flask, Response, current_app, g, jsonify, request
+
+from tasks.config import Settings
+from tasks.gateway import Answer, Gateway
+from tasks.logs import setup_logging
+from tasks.request_queue import RequestPublisher
+from webapp.errors import register_error_handlers
+from webapp.validation import parse_infer, request_id_from
+
+log = logging.getLogger("llmb.web")
+
+
+def create_app(settings: Settings | None = None) -> Flask:
+    settings = settings or Settings.from_env()
+    setup_logging(settings)
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_pool_size, timeout=5,
+        socket_timeout=5, socket_connect_timeout=2))
+    publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size)
+    app.extensions["llmb"] = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
+    app.extensions["llmb_settings"] = settings
+
+    @app.before_request
+    def _correlate() -> None:
+        g.request_id = request_id_from(request.headers.get("X-Request-Id"))
+        g.started = time.monotonic()
+
+    @app.after_request
+    def _echo_id(response: Response) -> Response:
+        response.headers["X-Request-Id"] = g.get("request_id", "")
+        if request.path == "/v1/infer":
+            log.info("%s %s %d", request.method, request.path, response.status_code,
+                     extra={"request_id": g.get("request_id"), "status": response.status_code,
+                            "total_ms": round((time.monotonic() - g.get("started", time.monotonic())) * 1000, 1)})
+        return response
+
+    register_error_handlers(app)
+    app.add_url_rule("/v1/infer", view_func=infer, methods=["POST"])
+    app.add_url_rule("/healthz", view_func=healthz)
+    app.add_url_rule("/readyz", view_func=readyz)
+    return app
+
+
+def _gateway() -> Gateway:
+    return current_app.extensions["llmb"]  # type: ignore[no-any-return]
+
+
+def infer() -> Response:
+    settings: Settings = current_app.extensions["llmb_settings"]
+    body = request.get_json(force=True)
+    call = parse_infer(body, settings, g.request_id, request.headers.get("X-Tenant"))
+    answer = _gateway().submit(call)
+    return jsonify(_render(call.request_id, answer, single="input" in body, started=g.started))
+
+
+def _render(request_id: str, answer: Answer, *, single: bool, started: float) -> dict[str, object]:
+    results = answer.results
+    batches: dict[str, int] = {}
+    for r in results:
+        batches.setdefault(r.batch_id, r.batch_size)
+    batch_list = [{"id": b, "size": n} for b, n in batches.items()]
+    body: dict[str, object] = {"id": request_id}
+    if single:
+        body["output"] = results[0].output
+    else:
+        body["outputs"] = [r.output for r in results]
+        body["batches"] = batch_list
+    body["batch"] = batch_list[0]
+    body["timing"] = {
+        "queued_ms": round(max((r.started_at - answer.accepted_at) * 1000 for r in results), 1),
+        "run_ms": round(max(r.run_ms for r in results), 1),
+        "total_ms": round((time.monotonic() - started) * 1000, 1),
+    }
+    return body
+
+
+def healthz() -> Response:
+    return jsonify(status="ok")
+
+
+def readyz() -> Response:
+    return jsonify(status="ready", **_gateway().ping())
