@@ -1,7 +1,7 @@
 """Heartbeat: a worker bootstep whose thread reports this worker to the fleet view at a fixed interval.
 
-A thread, not a timer on the event loop, because the solo pool blocks the loop while a batch runs, and a
-busy worker is exactly the one whose state the scheduler needs.
+A thread of its own, so that a heartbeat never waits behind the model or the event loop: a busy worker is
+exactly the one whose state the scheduler needs.
 """
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ import threading
 import time
 from typing import Any
 
-from celery import bootsteps
+from celery import Celery, bootsteps
 from celery.worker import state as celery_state
 
 from gpu_worker.runner import WorkerState
 from tasks.config import Settings
-from tasks.fleet import Fleet, WorkerInfo
+from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
+from tasks.request_queue import RETRY_POLICY
 
 log = logging.getLogger("llmb.worker")
 
@@ -72,3 +73,22 @@ class WorkerRuntime:
             completed=self.state.completed, batch_started_at=started,
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=time.time(),
         )
+
+
+class Announcer:
+    """Publishes this worker's batch events to every batcher (the scheduler's start/finish signal).
+
+    Never raises: a lost announcement only delays the scheduler, which forgets unheard batches in time.
+    """
+
+    def __init__(self, app: Celery, namespace: str) -> None:
+        self.app = app
+        self.exchange = fleet_exchange(namespace)
+
+    def __call__(self, event: BatchEvent) -> None:
+        try:
+            with self.app.producer_or_acquire() as producer:
+                producer.publish(event.to_dict(), exchange=self.exchange, routing_key="", declare=[self.exchange],
+                                 serializer="json", retry=True, retry_policy=RETRY_POLICY)
+        except Exception as exc:
+            log.warning("could not announce %s of batch %s: %s", event.event, event.batch_id, exc)

@@ -13,7 +13,10 @@ from typing import Any
 
 import redis
 
+from collections.abc import Callable
+
 from gpu_worker.backends import Backend
+from tasks.fleet import BatchEvent
 from tasks.results import ResultWriter
 from tasks.schema import Batch, ItemResult
 
@@ -43,13 +46,25 @@ class WorkerState:
 
 
 class BatchRunner:
-    def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState) -> None:
+    def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState,
+                 announce: Callable[[BatchEvent], None]) -> None:
         self.backend = backend
         self.writer = writer
         self.worker_id = worker_id
         self.state = state
+        self.announce = announce
 
     def run(self, batch: Batch) -> dict[str, Any]:
+        """Run the batch and write its results; the batchers hear when it starts and when it is done."""
+        run_ms: float | None = None
+        try:
+            summary = self._run(batch)
+            run_ms = summary.get("run_ms")
+            return summary
+        finally:
+            self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms))
+
+    def _run(self, batch: Batch) -> dict[str, Any]:
         now = time.time()
         live = [i for i in batch.items if i.deadline > now]
         dropped = len(batch.items) - len(live)
@@ -61,6 +76,7 @@ class BatchRunner:
         started_at = time.time()
         t0 = time.monotonic()
         self.state.started(started_at)
+        self.announce(BatchEvent(self.worker_id, batch.id, "started"))
         error: str | None = None
         try:
             outputs = self.backend.run([i.input for i in live])

@@ -56,6 +56,7 @@ class Batcher:
         live_workers: Callable[[], list[WorkerInfo]],
         *,
         max_outstanding: int = 2,
+        lead_s: float = 0.015,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
     ) -> None:
@@ -64,9 +65,11 @@ class Batcher:
         self.live_workers = live_workers
         self.clock = clock
         self.wallclock = wallclock
-        self.scheduler = Scheduler(max_outstanding)
+        self.scheduler = Scheduler(max_outstanding, lead_s=lead_s)
         self.buffers: dict[str, BatchBuffer[_Entry]] = {}
-        self.held: set[str] = set()  # models whose ready batch found no free worker: retried by poll()
+        # Models whose ready batch found no worker able to take it, with when to try again (None: when a
+        # worker announces something or the periodic poll runs). Their buffers keep filling meanwhile.
+        self.held: dict[str, float | None] = {}
         self.stats = {"requests": 0, "items": 0, "batches": 0, "dispatched_items": 0, "expired_items": 0}
 
     # -- input ---------------------------------------------------------------------------------------
@@ -91,7 +94,7 @@ class Batcher:
         self.stats["requests"] += 1
         self.stats["items"] += len(request.items)
         if request.model in self.held:
-            return None
+            return None  # already waiting for a worker; a full batch changes nothing
         if buffer.is_ready(now):
             self.flush(request.model)
             buffer = self.buffers.get(request.model)
@@ -110,13 +113,16 @@ class Batcher:
     def poll(self) -> float | None:
         """Drop expired items and flush every ready batch; returns seconds until the next poll is needed.
 
-        Models held for want of a worker are left out of that figure: the caller retries them periodically.
+        Models held for want of a worker are flushed only once their retry time is due.
         """
         for model in list(self.buffers):
-            self.flush(model)
+            retry_at = self.held.get(model)
+            if model not in self.held or (retry_at is not None and retry_at <= self.clock()):
+                self.flush(model)
         now = self.clock()
         waits = [w for m, b in self.buffers.items()
                  if m not in self.held and (w := b.seconds_until_ready(now)) is not None]
+        waits += [max(0.0, at - now) for at in self.held.values() if at is not None]
         return min(waits, default=None)
 
     def flush(self, model: str) -> int:
@@ -127,14 +133,17 @@ class Batcher:
             self.stats["expired_items"] += 1
             entry.delivery.resolve()
         sent = 0
-        self.held.discard(model)
+        self.held.pop(model, None)
         workers: list[WorkerInfo] | None = None
         while buffer.is_ready(now):
             if workers is None:
                 workers = self.live_workers()
-            worker = self.scheduler.choose(workers, model, now)
-            if worker is None:
-                self.held.add(model)  # every worker is full (or none is alive): keep accumulating
+            choice = self.scheduler.choose(workers, model, now)
+            worker = choice.worker
+            if worker is None:  # every worker is busy enough (or none is alive): keep accumulating
+                self.held[model] = None if choice.retry_in_s is None else now + choice.retry_in_s
+                log.debug("holding %d %s items: %d live workers, retry in %s s", len(buffer), model,
+                          len(workers), choice.retry_in_s)
                 break
             pending = buffer.take()
             batch = self._batch(model, pending)
@@ -143,7 +152,7 @@ class Batcher:
             except Exception:
                 log.exception("could not hand batch %s to %s; keeping its items", batch.id, worker.id)
                 buffer.put_back(pending)
-                self.held.add(model)
+                self.held[model] = None
                 break
             self.scheduler.sent(worker.id, batch.id, self.clock())
             for p in pending:
@@ -154,12 +163,23 @@ class Batcher:
             now = self.clock()
         if not buffer:
             del self.buffers[model]
-            self.held.discard(model)
+            self.held.pop(model, None)
         return sent
 
-    def finished(self, worker_id: str, batch_id: str) -> float | None:
+    def started(self, worker_id: str, batch_id: str) -> float | None:
+        """A worker started a batch: its backlog estimate is now exact. Returns poll()'s delay."""
+        self.scheduler.started(worker_id, batch_id, self.clock())
+        return self.retry_held()
+
+    def finished(self, worker_id: str, batch_id: str, run_s: float | None = None) -> float | None:
         """A worker finished a batch: its slot is free, so held batches may go now. Returns poll()'s delay."""
-        self.scheduler.finished(worker_id, batch_id)
+        self.scheduler.finished(worker_id, batch_id, run_s)
+        return self.retry_held()
+
+    def retry_held(self) -> float | None:
+        """Ask the scheduler again for every held model (on news from the fleet, and periodically)."""
+        for model in self.held:
+            self.held[model] = self.clock()  # due now: poll() re-asks the scheduler
         return self.poll()
 
     def _batch(self, model: str, pending: list[Pending[_Entry]]) -> Batch:

@@ -43,6 +43,7 @@ class Settings:
     heartbeat_interval_s: float = 1.0
     heartbeat_stale_factor: float = 3.0
     max_outstanding_batches: int = 2
+    dispatch_lead_ms: float = 15.0
 
     sim_batch_ms: float = 250.0
     sim_item_ms: float = 0.0
@@ -112,6 +113,7 @@ DOCS: dict[str, str] = {
     "web_bind": "Address gunicorn listens on.",
     "web_workers": "gunicorn worker processes (each holds many waiting requests on gevent).",
     "web_connections": "Simultaneous connections per gunicorn worker process.",
+    "dispatch_lead_ms": "A busy worker's next batch is sent this long before its running batch should end; until then it keeps filling.",
     "heartbeat_interval_s": "How often a GPU worker reports to Redis.",
     "heartbeat_stale_factor": "A worker silent for this many intervals leaves the pool.",
     "max_outstanding_batches": "Batches sent to one worker and not finished (one running, one waiting); beyond it the batcher keeps accumulating.",

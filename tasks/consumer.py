@@ -21,7 +21,7 @@ from kombu import Consumer, Message, Queue
 from tasks.batcher import Batcher
 from tasks.celery_app import RUN_BATCH, make_celery, settings_of
 from tasks.config import Settings
-from tasks.fleet import Fleet, WorkerInfo, fleet_exchange
+from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
 from tasks.flush import FlushPolicy
 from tasks.logs import setup_logging
 from tasks.request_queue import RETRY_POLICY, request_queue
@@ -41,7 +41,8 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.fleet = Fleet(redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2),
                            s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
         self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000), self._dispatch,
-                               self._live_workers, max_outstanding=s.max_outstanding_batches)
+                               self._live_workers, max_outstanding=s.max_outstanding_batches,
+                               lead_s=s.dispatch_lead_ms / 1000)
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
         self._timer: Any = None
@@ -56,7 +57,8 @@ class BatchingStep(bootsteps.ConsumerStep):
         return [
             Consumer(channel, queues=[request_queue(s.request_queue)], on_message=self._on_message,
                      prefetch_count=s.batcher_prefetch, accept=["json"]),
-            Consumer(channel, queues=[announcements], on_message=self._on_finished, no_ack=True, accept=["json"]),
+            Consumer(channel, queues=[announcements], on_message=self._on_batch_event, no_ack=True,
+                     accept=["json"]),
         ]
 
     def start(self, c: Any) -> None:
@@ -87,14 +89,17 @@ class BatchingStep(bootsteps.ConsumerStep):
             return
         self._arm(self.batcher.add(request, message.ack))
 
-    def _on_finished(self, message: Message) -> None:
+    def _on_batch_event(self, message: Message) -> None:
         try:
-            event = json.loads(message.body)
-            worker, batch_id = str(event["worker"]), str(event["batch_id"])
+            event = BatchEvent.from_dict(json.loads(message.body))
         except (ValueError, KeyError, TypeError):
             log.warning("ignoring malformed fleet announcement")
             return
-        self._arm(self.batcher.finished(worker, batch_id))
+        if event.event == "started":
+            self._arm(self.batcher.started(event.worker, event.batch_id))
+        else:
+            run_s = None if event.run_ms is None else event.run_ms / 1000
+            self._arm(self.batcher.finished(event.worker, event.batch_id, run_s))
 
     def _on_timer(self) -> None:
         self._timer = None
@@ -104,7 +109,7 @@ class BatchingStep(bootsteps.ConsumerStep):
     def _on_tick(self) -> None:
         """Periodic: refresh the fleet and retry batches held back for want of a worker."""
         self._workers_at = 0.0
-        self._arm(self.batcher.poll())
+        self._arm(self.batcher.retry_held())
 
     def _arm(self, delay: float | None) -> None:
         if delay is None:

@@ -69,7 +69,7 @@ class Fleet:
 
 
 def fleet_exchange(namespace: str) -> Exchange:
-    """Fanout on which workers announce each finished batch; every batcher binds its own exclusive queue.
+    """Fanout on which workers announce each batch they start and finish; every batcher binds its own queue.
 
     Announcements are transient: one lost only delays the scheduler (see Scheduler.forget_after_s).
     """
@@ -77,9 +77,22 @@ def fleet_exchange(namespace: str) -> Exchange:
 
 
 @dataclass(frozen=True)
-class BatchFinished:
+class BatchEvent:
+    """A worker started or finished a batch: the scheduler's view of each device, as it happens."""
+
     worker: str
     batch_id: str
+    event: str  # "started" or "finished"
+    run_ms: float | None = None
 
-    def to_dict(self) -> dict[str, str]:
+    def to_dict(self) -> dict[str, object]:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "BatchEvent":
+        event = str(d["event"])
+        if event not in ("started", "finished"):
+            raise ValueError(f"unknown batch event {event!r}")
+        run_ms = d.get("run_ms")
+        return cls(worker=str(d["worker"]), batch_id=str(d["batch_id"]), event=event,
+                   run_ms=None if run_ms is None else float(run_ms))  # type: ignore[arg-type]

@@ -68,7 +68,7 @@ class BatchBuffer(Generic[T]):
             return False
         if len(self._queue) >= self.policy.max_batch_size:
             return True
-        return now - self._queue[0].arrived >= self.policy.max_wait_s
+        return now >= self._queue[0].arrived + self.policy.max_wait_s
 
     def seconds_until_ready(self, now: float) -> float | None:
         """How long until :meth:`is_ready` turns true on its own; None for an empty buffer."""

@@ -1,54 +1,131 @@
-"""Which worker gets the next batch: a pure decision over the fleet view.
+"""Which worker gets the next batch, and when: a pure decision over the fleet view.
 
-Least outstanding work, never round-robin. The batcher counts the batches it has sent each worker and not
-yet heard back about (workers announce every finished batch on the fleet exchange). A worker already
-holding ``max_outstanding`` batches (default 2: one running, the next waiting, so the device never idles)
-gets no more: :meth:`choose` returns None and the batcher keeps accumulating, so batches grow toward full
-size while every device is busy, at no latency cost (work conservation).
+Least outstanding *work*, never round-robin. For each worker the scheduler keeps the batches it sent and has
+not heard finish, when the running one started, and a moving average of the worker's batch time (workers
+announce each batch's start and finish on the fleet exchange). From those it estimates the worker's
+backlog: how long until that worker could start one more batch. The batch goes to the worker with the
+smallest backlog, so a worker twice as fast drains its backlog twice as fast and receives about twice the
+batches.
 
-``now`` is the caller's monotonic clock; an outstanding batch not heard of for ``forget_after_s`` is
-forgotten so that a lost announcement cannot block a worker for ever.
+Two limits keep batches large without letting a device idle:
+
+- at most ``max_outstanding`` batches per worker (default 2: one running, the next waiting);
+- a batch is handed to a busy worker only when that worker's backlog is within ``lead_s`` (the time a
+  hand-over takes). Until then the batch stays in the batcher and keeps filling: waiting behind a busy device
+  costs the items nothing, and they are better off in a larger batch than in a small one frozen early.
+
+When no worker can take a batch now, :meth:`choose` says how long until one can (work conservation: the
+batcher keeps accumulating meanwhile). ``now`` is the batcher's monotonic clock; an outstanding batch not
+heard of for ``forget_after_s`` is forgotten so that a lost announcement cannot block a worker for ever.
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from tasks.fleet import WorkerInfo
 
 
+@dataclass
+class _Track:
+    """What the scheduler knows of one worker."""
+
+    outstanding: dict[str, float] = field(default_factory=dict)  # batch id -> sent at
+    running: str | None = None
+    running_since: float = 0.0
+    batch_s: float | None = None  # moving average of run time
+    last_sent: float = 0.0
+
+
+@dataclass(frozen=True)
+class Choice:
+    worker: WorkerInfo | None
+    retry_in_s: float | None = None  # with no worker: when one could take a batch (None: on the next event)
+
+
 class Scheduler:
-    def __init__(self, max_outstanding: int = 2, forget_after_s: float = 60.0) -> None:
+    def __init__(self, max_outstanding: int = 2, lead_s: float = 0.015, forget_after_s: float = 60.0,
+                 ema_alpha: float = 0.3) -> None:
         if max_outstanding < 1:
             raise ValueError("max_outstanding must be at least 1")
         self.max_outstanding = max_outstanding
+        self.lead_s = lead_s
         self.forget_after_s = forget_after_s
-        self._outstanding: dict[str, dict[str, float]] = {}  # worker id -> {batch id: sent at}
-        self._last_sent: dict[str, float] = {}
+        self.alpha = ema_alpha
+        self._tracks: dict[str, _Track] = {}
+
+    def _track(self, worker_id: str) -> _Track:
+        track = self._tracks.get(worker_id)
+        if track is None:
+            track = self._tracks[worker_id] = _Track()
+        return track
+
+    # -- estimates -----------------------------------------------------------------------------------
+    def batch_s(self, worker: WorkerInfo) -> float:
+        """Estimated run time of one batch on ``worker``: measured here, else its heartbeat's figure."""
+        measured = self._track(worker.id).batch_s
+        return measured if measured is not None else worker.batch_ms_estimate / 1000
 
     def outstanding(self, worker_id: str, now: float) -> int:
-        batches = self._outstanding.get(worker_id)
-        if not batches:
-            return 0
-        for batch_id, sent_at in list(batches.items()):
+        track = self._track(worker_id)
+        for batch_id, sent_at in list(track.outstanding.items()):
             if now - sent_at > self.forget_after_s:
-                del batches[batch_id]
-        return len(batches)
+                del track.outstanding[batch_id]
+                if track.running == batch_id:
+                    track.running = None
+        return len(track.outstanding)
 
-    def choose(self, workers: Iterable[WorkerInfo], model: str, now: float) -> WorkerInfo | None:
-        """The live worker serving ``model`` with the fewest outstanding batches, or None if all are full."""
-        candidates = [(self.outstanding(w.id, now), self._last_sent.get(w.id, 0.0), w.id, w)
-                      for w in workers if w.model == model]
-        free = [c for c in candidates if c[0] < self.max_outstanding]
-        return min(free, key=lambda c: c[:3])[3] if free else None
+    def backlog_s(self, worker: WorkerInfo, now: float) -> float:
+        """Estimated time until ``worker`` could start one more batch."""
+        n = self.outstanding(worker.id, now)
+        if n == 0:
+            return 0.0
+        track, est = self._track(worker.id), self.batch_s(worker)
+        if track.running is not None:
+            remaining = max(0.0, est - (now - track.running_since))
+            return remaining + est * (n - 1)
+        return est * n  # sent, not started yet
 
+    # -- the decision --------------------------------------------------------------------------------
+    def choose(self, workers: Iterable[WorkerInfo], model: str, now: float) -> Choice:
+        """The worker for the next batch of ``model``, or how long until one could take it."""
+        best: tuple[float, int, float, str, WorkerInfo] | None = None
+        soonest: float | None = None
+        for w in workers:
+            if w.model != model:
+                continue
+            n = self.outstanding(w.id, now)
+            backlog = self.backlog_s(w, now)
+            if n < self.max_outstanding and backlog <= self.lead_s:
+                key = (backlog, n, self._track(w.id).last_sent, w.id, w)
+                if best is None or key[:4] < best[:4]:
+                    best = key
+            elif n < self.max_outstanding:
+                wait = backlog - self.lead_s
+                soonest = wait if soonest is None else min(soonest, wait)
+        if best is not None:
+            return Choice(best[4])
+        return Choice(None, soonest)
+
+    # -- what happened -------------------------------------------------------------------------------
     def sent(self, worker_id: str, batch_id: str, now: float) -> None:
-        self._outstanding.setdefault(worker_id, {})[batch_id] = now
-        self._last_sent[worker_id] = now
+        track = self._track(worker_id)
+        track.outstanding[batch_id] = now
+        track.last_sent = now
 
-    def finished(self, worker_id: str, batch_id: str) -> bool:
-        """Record a worker's announcement; True if it freed a slot this scheduler was counting."""
-        return self._outstanding.get(worker_id, {}).pop(batch_id, None) is not None
+    def started(self, worker_id: str, batch_id: str, now: float) -> None:
+        track = self._track(worker_id)
+        if batch_id in track.outstanding:
+            track.running, track.running_since = batch_id, now
+
+    def finished(self, worker_id: str, batch_id: str, run_s: float | None = None) -> bool:
+        """Record a finished batch; True if it freed a slot this scheduler was counting."""
+        track = self._track(worker_id)
+        if run_s is not None and run_s > 0:
+            track.batch_s = run_s if track.batch_s is None else track.batch_s + self.alpha * (run_s - track.batch_s)
+        if track.running == batch_id:
+            track.running = None
+        return track.outstanding.pop(batch_id, None) is not None
 
     def forget_worker(self, worker_id: str) -> None:
-        self._outstanding.pop(worker_id, None)
-        self._last_sent.pop(worker_id, None)
+        self._tracks.pop(worker_id, None)

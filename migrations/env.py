@@ -1,0 +1,37 @@
+"""Alembic environment: the database URL comes from LLMB_DATABASE_URL (see tasks.config), nowhere else."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from alembic import context
+from sqlalchemy import engine_from_config, pool
+
+from tasks.config import Settings
+
+config = context.config
+url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
+if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
+    Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+
+target_metadata = None  # the ledger's models arrive with the fleet issue
+
+
+def run_offline() -> None:
+    context.configure(url=url, target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_online() -> None:
+    engine = engine_from_config({"sqlalchemy.url": url}, prefix="sqlalchemy.", poolclass=pool.NullPool)
+    with engine.connect() as connection:
+        context.configure(connection=connection, target_metadata=target_metadata,
+                          render_as_batch=connection.dialect.name == "sqlite")
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_offline()
+else:
+    run_online()

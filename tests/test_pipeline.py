@@ -1,0 +1,184 @@
+"""End to end through real processes: gunicorn -> RabbitMQ -> batcher -> sim GPU workers -> Redis -> caller.
+
+Timing bounds here are deliberately generous: speed is measured by the benchmark, not asserted by tests.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import redis
+import requests
+
+from tests.helpers import assert_json_error, expected, post, post_many
+from tests.stack import REDIS_URL, Stack, wait_for
+
+BATCH_S = 0.250  # the sim backend's default batch time
+MAX_WAIT_S = 0.020
+
+
+def test_300_concurrent_requests_each_get_their_own_output(stack: Stack) -> None:
+    tag = uuid.uuid4().hex[:6]
+    texts = [f"{tag} request {i}" for i in range(300)]
+    client = redis.Redis.from_url(REDIS_URL)
+    baseline = len(client.client_list())
+    peak = [baseline]
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak[0] = max(peak[0], len(client.client_list()))
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        responses = post_many(stack.url, [{"input": t} for t in texts])
+    finally:
+        done.set()
+        sampler.join()
+    for text, r in zip(texts, responses):
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["output"] == expected(text)
+        assert body["id"] == r.headers["X-Request-Id"]
+        assert 1 <= body["batch"]["size"] <= 100
+        assert set(body["timing"]) == {"queued_ms", "run_ms", "total_ms"}
+    # Waiters share one subscription and a bounded pool per API process (2 processes, pool of 10 each):
+    # 300 waiting requests must not mean 300 Redis connections.
+    assert peak[0] - baseline <= 2 * (10 + 1), (baseline, peak[0])
+
+
+def test_a_call_with_several_inputs_gets_them_back_in_order(stack: Stack) -> None:
+    texts = [f"multi {i}" for i in range(7)]
+    r = post(stack.url, {"inputs": texts})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["outputs"] == [expected(t) for t in texts]
+    assert sum(1 for _ in body["batches"]) >= 1 and body["batch"] == body["batches"][0]
+
+
+def test_a_lone_request_is_answered_within_wait_plus_batch_time(stack: Stack) -> None:
+    wait_for(lambda: stack.redis.zcard(f"{stack.namespace}:inflight") == 0, 10, "an idle system")
+    started = time.monotonic()
+    r = post(stack.url, {"input": "all alone"}, headers={"X-Request-Id": "lone-caller-1"})
+    elapsed = time.monotonic() - started
+    assert r.status_code == 200, r.text
+    assert r.headers["X-Request-Id"] == "lone-caller-1" and r.json()["id"] == "lone-caller-1"
+    assert r.json()["batch"]["size"] == 1
+    assert elapsed < MAX_WAIT_S + BATCH_S + 0.75, elapsed
+
+
+def test_150_requests_at_once_are_served_in_batches_of_at_most_100(stack: Stack) -> None:
+    texts = [f"burst {uuid.uuid4().hex}" for _ in range(150)]
+    responses = post_many(stack.url, [{"input": t} for t in texts])
+    sizes: dict[str, int] = {}
+    for text, r in zip(texts, responses):
+        assert r.status_code == 200, r.text
+        assert r.json()["output"] == expected(text)
+        sizes[r.json()["batch"]["id"]] = r.json()["batch"]["size"]
+    assert max(sizes.values()) <= 100
+    assert sum(sizes.values()) == 150  # every request is in exactly one reported batch
+    assert len(sizes) < 150, "requests sent together must share batches"
+
+
+def test_over_the_admission_cap_callers_get_429_and_nothing_extra_is_enqueued(stack: Stack) -> None:
+    capped = stack.start_web("web-capped", workers=1, admission_cap=10)
+    wait_for(lambda: stack.redis.zcard(f"{stack.namespace}:inflight") == 0, 10, "an idle system")
+    before = stack.items_done()
+    responses = post_many(capped, [{"input": f"cap {i}", "timeout_ms": 20_000} for i in range(40)])
+    statuses = [r.status_code for r in responses]
+    ok = statuses.count(200)
+    refused = [r for r in responses if r.status_code == 429]
+    assert ok + len(refused) == 40, statuses
+    assert 1 <= ok and refused, statuses
+    for r in refused:
+        assert_json_error(r, 429, "queue_full")
+        assert int(r.headers["Retry-After"]) >= 1
+    wait_for(lambda: stack.request_queue_depth() == 0, 10, "an empty request queue")
+    time.sleep(BATCH_S * 2)  # let any (wrongly) enqueued extra work surface before counting
+    assert stack.items_done() - before == ok
+
+
+def test_a_deadline_shorter_than_the_batch_gets_504_on_time(stack: Stack) -> None:
+    started = time.monotonic()
+    r = post(stack.url, {"input": "too slow for me", "timeout_ms": 100})
+    elapsed = time.monotonic() - started
+    assert_json_error(r, 504, "deadline_exceeded")
+    assert elapsed < 0.100 + 0.5, elapsed
+    # Its late result, if the model ran it at all, is discarded harmlessly: the next caller is fine.
+    r = post(stack.url, {"input": "after the timeout"})
+    assert r.status_code == 200 and r.json()["output"] == expected("after the timeout")
+
+
+def test_malformed_and_oversized_bodies_do_not_disturb_healthy_requests(stack: Stack) -> None:
+    texts = [f"healthy {i}" for i in range(60)]
+    with ThreadPoolExecutor(max_workers=70) as pool:
+        healthy = [pool.submit(post, stack.url, {"input": t}) for t in texts]
+        bad = [
+            (pool.submit(post, stack.url, data="{not json"), 400),
+            (pool.submit(post, stack.url, data=b"\xff\xfe\x00garbage"), 400),
+            (pool.submit(post, stack.url, {"input": 42}), 400),
+            (pool.submit(post, stack.url, {"inputs": ["x"] * 101}), 400),
+            (pool.submit(post, stack.url, {"input": "x", "timeout_ms": -5}), 400),
+            (pool.submit(post, stack.url, {"input": "x" * (2 * 1024 * 1024)}), 413),
+            (pool.submit(post, stack.url, data="[]"), 400),
+        ]
+        for future, status in bad:
+            assert_json_error(future.result(), status)
+        for text, future in zip(texts, healthy):
+            r = future.result()
+            assert r.status_code == 200 and r.json()["output"] == expected(text)
+    assert_json_error(requests.get(stack.url + "/v1/infer", timeout=5), 405)
+    assert_json_error(requests.get(stack.url + "/nope", timeout=5), 404)
+
+
+def test_health_and_readiness(stack: Stack) -> None:
+    assert requests.get(stack.url + "/healthz", timeout=5).json() == {"status": "ok"}
+    ready = requests.get(stack.url + "/readyz", timeout=5)
+    assert ready.status_code == 200 and ready.json()["workers"] == 2
+
+
+def test_503_when_no_worker_rabbitmq_or_redis_is_there(stack: Stack) -> None:
+    # A web server of an empty namespace: broker and Redis fine, no worker alive.
+    lonely = stack.start_web("web-lonely", workers=1, namespace=f"{stack.namespace}x")
+    assert_json_error(requests.get(lonely + "/readyz", timeout=5), 503, "unavailable")
+    assert_json_error(post(lonely, {"input": "anyone?"}), 503, "unavailable")
+    # Same fleet, but RabbitMQ unreachable.
+    no_broker = stack.start_web("web-nobroker", workers=1, broker_url="amqp://guest:guest@127.0.0.1:1//")
+    started = time.monotonic()
+    assert_json_error(post(no_broker, {"input": "hello"}), 503, "unavailable")
+    assert time.monotonic() - started < 10
+    assert_json_error(requests.get(no_broker + "/readyz", timeout=10), 503)
+    # Redis unreachable.
+    no_redis = stack.start_web("web-noredis", workers=1, redis_url="redis://127.0.0.1:1/0")
+    assert_json_error(post(no_redis, {"input": "hello"}), 503, "unavailable")
+    assert_json_error(requests.get(no_redis + "/readyz", timeout=10), 503)
+
+
+def test_killing_the_batcher_with_requests_buffered_loses_none(stack: Stack) -> None:
+    """SIGKILL a batcher holding requests unacknowledged in its buffer; after a restart all are answered."""
+    stack.kill("batcher", sig=15)
+    stack.start_batcher("slow-batcher", max_wait_ms=60_000, max_batch_size=100)  # holds everything it gets
+    time.sleep(2.0)  # the slow batcher is up and consuming
+    keep = [f"survivor {i}" for i in range(10)]
+    with ThreadPoolExecutor(max_workers=13) as pool:
+        survivors = [pool.submit(post, stack.url, {"input": t, "timeout_ms": 60_000}) for t in keep]
+        doomed = [pool.submit(post, stack.url, {"input": f"doomed {i}", "timeout_ms": 1500}) for i in range(3)]
+        wait_for(lambda: stack.redis.zcard(f"{stack.namespace}:inflight") == 13, 10, "13 admitted items")
+        wait_for(lambda: stack.request_queue_depth() == 0, 10, "the batcher to take every message")
+        time.sleep(0.3)
+        assert not any(f.done() for f in survivors), "the slow batcher must still be holding them"
+        stack.kill("slow-batcher", sig=9)
+        assert stack.request_queue_depth() >= 10  # unacknowledged messages went back to the queue
+        for future in doomed:  # no batcher now: these callers' deadlines pass while it is down
+            future.result()
+        stack.start_batcher()
+        for text, future in zip(keep, survivors):
+            r = future.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["output"] == expected(text)
+        for future in doomed:
+            assert_json_error(future.result(), 504, "deadline_exceeded")

@@ -1,0 +1,109 @@
+"""Routing decisions, as a pure object with an explicit clock."""
+from __future__ import annotations
+
+import pytest
+
+from tasks.fleet import WorkerInfo
+from tasks.scheduler import Scheduler
+
+
+def worker(wid: str, model: str = "sim", batch_ms: float = 250.0) -> WorkerInfo:
+    return WorkerInfo(id=wid, queue=f"q.{wid}", model=model, max_batch=100, state="idle", outstanding=0,
+                      completed=0, batch_started_at=None, batch_ms_estimate=batch_ms, heartbeat_at=0.0)
+
+
+def test_no_worker_means_no_choice_and_no_retry_time() -> None:
+    choice = Scheduler().choose([], "sim", now=0.0)
+    assert choice.worker is None and choice.retry_in_s is None
+
+
+def test_only_workers_serving_the_model_are_candidates() -> None:
+    s = Scheduler()
+    assert s.choose([worker("a", model="embed")], "sim", now=0.0).worker is None
+    assert s.choose([worker("a", model="embed"), worker("b")], "sim", now=0.0).worker.id == "b"  # type: ignore[union-attr]
+
+
+def test_idle_worker_beats_busy_one_not_round_robin() -> None:
+    s = Scheduler(max_outstanding=2)
+    a, b = worker("a"), worker("b")
+    s.sent("a", "a1", now=0.0)
+    s.started("a", "a1", now=0.0)
+    for t in (0.1, 0.2, 0.3):
+        assert s.choose([a, b], "sim", now=t).worker is b
+
+
+def test_next_batch_waits_until_the_running_one_is_nearly_done() -> None:
+    s = Scheduler(max_outstanding=2, lead_s=0.015)
+    a = worker("a", batch_ms=250)
+    s.sent("a", "1", now=0.0)
+    s.started("a", "1", now=0.0)
+    choice = s.choose([a], "sim", now=0.100)
+    assert choice.worker is None
+    assert choice.retry_in_s == pytest.approx(0.250 - 0.100 - 0.015)
+    assert s.choose([a], "sim", now=0.236).worker is a  # 14 ms left: hand the next batch over now
+
+
+def test_at_most_max_outstanding_batches_then_wait_for_an_event() -> None:
+    s = Scheduler(max_outstanding=2)
+    a = worker("a", batch_ms=0.0)  # no estimate yet: only the count limits
+    s.sent("a", "x", now=0.0)
+    s.sent("a", "y", now=0.0)
+    choice = s.choose([a], "sim", now=1.0)
+    assert choice.worker is None and choice.retry_in_s is None
+    assert s.finished("a", "x", run_s=0.2)
+    assert s.choose([a], "sim", now=1.0).worker is None  # y not started: estimated 0.2 s of backlog
+    s.started("a", "y", now=1.0)
+    assert s.choose([a], "sim", now=1.19).worker is a
+
+
+def test_measured_batch_time_replaces_the_heartbeat_figure() -> None:
+    s = Scheduler()
+    a = worker("a", batch_ms=1000)
+    assert s.batch_s(a) == 1.0
+    s.sent("a", "1", now=0)
+    s.finished("a", "1", run_s=0.5)
+    assert s.batch_s(a) == 0.5
+
+
+def test_a_faster_worker_gets_proportionally_more_batches() -> None:
+    """Simulate two workers, one twice as fast, fed back to back for 60 s of virtual time."""
+    s = Scheduler(max_outstanding=2, lead_s=0.0)
+    fast, slow = worker("fast", batch_ms=250), worker("slow", batch_ms=500)
+    speed = {"fast": 0.25, "slow": 0.5}
+    running: dict[str, tuple[str, float]] = {}
+    queued: dict[str, list[str]] = {"fast": [], "slow": []}
+    counts = {"fast": 0, "slow": 0}
+    now, n = 0.0, 0
+    while now < 60:
+        for wid in ("fast", "slow"):  # advance each device
+            if wid in running and running[wid][1] <= now:
+                s.finished(wid, running.pop(wid)[0], speed[wid])
+            if wid not in running and queued[wid]:
+                batch = queued[wid].pop(0)
+                s.started(wid, batch, now)
+                running[wid] = (batch, now + speed[wid])
+        choice = s.choose([fast, slow], "sim", now)
+        if choice.worker is not None:
+            n += 1
+            s.sent(choice.worker.id, str(n), now)
+            queued[choice.worker.id].append(str(n))
+            counts[choice.worker.id] += 1
+        now += 0.005
+    assert counts["fast"] == pytest.approx(2 * counts["slow"], rel=0.1)
+
+
+def test_lost_announcements_are_forgotten() -> None:
+    s = Scheduler(max_outstanding=1, forget_after_s=30.0)
+    a = worker("a", batch_ms=0)
+    assert not s.finished("a", "never-sent")
+    s.sent("a", "lost", now=0.0)
+    assert s.choose([a], "sim", now=10.0).worker is None
+    assert s.choose([a], "sim", now=31.0).worker is a
+
+
+def test_ties_go_to_the_worker_sent_to_least_recently() -> None:
+    s = Scheduler()
+    a, b = worker("a"), worker("b")
+    s.sent("a", "1", now=1.0)
+    s.finished("a", "1")
+    assert s.choose([a, b], "sim", now=2.0).worker is b

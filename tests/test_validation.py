@@ -1,0 +1,44 @@
+"""Request validation: pure functions, no server."""
+from __future__ import annotations
+
+import pytest
+
+from tasks.config import Settings
+from tasks.errors import InvalidInput
+from webapp.validation import parse_infer, request_id_from
+
+S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000)
+
+
+def test_single_and_multi_input() -> None:
+    call = parse_infer({"input": "hi"}, S, "rid")
+    assert call.inputs == ("hi",) and call.timeout_ms == 1000 and call.model == "sim" and call.tenant == "default"
+    call = parse_infer({"inputs": ["a", "b"], "timeout_ms": 250, "tenant": "team-a"}, S, "rid")
+    assert call.inputs == ("a", "b") and call.timeout_ms == 250 and call.tenant == "team-a"
+
+
+@pytest.mark.parametrize("body", [
+    [], "text", None, {}, {"input": "a", "inputs": ["b"]}, {"input": 5}, {"inputs": []}, {"inputs": ["a", 1]},
+    {"inputs": ["a", "b", "c", "d"]}, {"input": "a", "timeout_ms": 0}, {"input": "a", "timeout_ms": 5001},
+    {"input": "a", "timeout_ms": "10"}, {"input": "a", "timeout_ms": True}, {"input": "a", "model": ""},
+    {"input": "a", "tenant": "no spaces"}, {"input": "a", "surprise": 1},
+])
+def test_malformed_bodies_are_rejected_with_a_reason(body: object) -> None:
+    with pytest.raises(InvalidInput) as info:
+        parse_infer(body, S, "rid")
+    assert info.value.message
+
+
+def test_request_id_is_taken_only_when_well_formed() -> None:
+    assert request_id_from("abc-123") == "abc-123"
+    generated = request_id_from("bad id with spaces")
+    assert generated != "bad id with spaces" and len(generated) == 32
+    assert len(request_id_from(None)) == 32
+    assert len(request_id_from("x" * 500)) == 32
+
+
+def test_settings_from_env_parse_and_reject() -> None:
+    s = Settings.from_env({"LLMB_MAX_BATCH_SIZE": "7", "LLMB_MAX_WAIT_MS": "2.5", "LLMB_LOG_JSON": "true"})
+    assert s.max_batch_size == 7 and s.max_wait_ms == 2.5 and s.log_json is True
+    with pytest.raises(ValueError, match="LLMB_MAX_BATCH_SIZE"):
+        Settings.from_env({"LLMB_MAX_BATCH_SIZE": "many"})
