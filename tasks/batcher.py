@@ -6,7 +6,9 @@ Celery bootstep in :mod:`tasks.consumer` is only glue. Guarantees:
 - a request message is acknowledged only when every one of its items has been durably handed on in a batch
   (``dispatch`` returned, which means the broker confirmed it) or dropped because its deadline passed, so
   killing the batcher loses nothing: RabbitMQ redelivers whatever was unacknowledged;
-- expired items are dropped before a batch is formed and never run;
+- expired items are dropped before a batch is formed and never run, and so are items whose deadline would
+  pass before the chosen worker could finish the batch (deadline-aware dropping: under overload the device
+  spends its time on requests that can still be answered);
 - when every worker for a model already holds its quota of batches (or none is alive), its items keep
   accumulating in the buffer, so batches grow toward full size while the devices are busy; the buffer is
   bounded by the consumer's prefetch.
@@ -129,9 +131,7 @@ class Batcher:
         """Send as many ready batches of ``model`` as there are; returns how many were sent."""
         buffer = self.buffers[model]
         now = self.clock()
-        for entry in buffer.drop_expired(now):
-            self.stats["expired_items"] += 1
-            entry.delivery.resolve()
+        self._drop(buffer, now)
         sent = 0
         self.held.pop(model, None)
         workers: list[WorkerInfo] | None = None
@@ -145,6 +145,8 @@ class Batcher:
                 log.debug("holding %d %s items: %d live workers, retry in %s s", len(buffer), model,
                           len(workers), choice.retry_in_s)
                 break
+            if self._drop(buffer, now + self.scheduler.batch_s(worker)):
+                continue  # items that could not finish in time are gone: is a batch still due?
             pending = buffer.take()
             batch = self._batch(model, pending)
             try:
@@ -181,6 +183,14 @@ class Batcher:
         for model in self.held:
             self.held[model] = self.clock()  # due now: poll() re-asks the scheduler
         return self.poll()
+
+    def _drop(self, buffer: BatchBuffer[_Entry], horizon: float) -> int:
+        """Drop items whose deadline falls before ``horizon``: their callers are gone by then anyway."""
+        dropped = buffer.drop_expired(horizon)
+        for entry in dropped:
+            entry.delivery.resolve()
+        self.stats["expired_items"] += len(dropped)
+        return len(dropped)
 
     def _batch(self, model: str, pending: list[Pending[_Entry]]) -> Batch:
         return Batch(

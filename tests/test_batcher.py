@@ -156,3 +156,14 @@ def test_discard_all_leaves_everything_unacked_for_redelivery() -> None:
     h.submit("b")
     assert h.batcher.discard_all() == 2
     assert h.acked == [] and h.batcher.poll() is None
+
+
+def test_items_that_cannot_finish_in_time_on_the_chosen_worker_are_dropped() -> None:
+    h = Harness(size=100, wait_s=0.020)
+    h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)  # batches take 250 ms on w0
+    h.submit("doomed", timeout_s=0.200)  # would still be running at its deadline
+    h.submit("fine", timeout_s=1.0)
+    h.clock.t += 0.020
+    h.batcher.poll()
+    assert [i.request_id for b, _ in h.sent for i in b.items] == ["fine"]
+    assert sorted(h.acked) == ["doomed", "fine"]
