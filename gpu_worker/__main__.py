@@ -1,10 +1,11 @@
-"""`gpu-worker`: start one worker pinned to one device, consuming its own batch queue.
+"""`gpu-worker`: one worker pinned to one device, consuming its own batch queue.
 
     gpu-worker --gpu 0                 # queue <namespace>.gpu.<host>.0, sim backend
     gpu-worker --gpu 1 --backend sim   # a second device on the same host
 
 ``--gpu N`` sets CUDA_VISIBLE_DEVICES=N before any model code is imported, so the process sees exactly one
-device (it runs on the CPU where there is none).
+device (it runs on the CPU where there is none). By default the command supervises the worker process and
+restarts it if the model kills it (see :mod:`gpu_worker.supervisor`).
 """
 from __future__ import annotations
 
@@ -22,18 +23,34 @@ import click
 @click.option("--model", default=None, help="Model name to serve (default: the backend's own name).")
 @click.option("--host", default=socket.gethostname(), show_default=True, help="Host name used in the queue name.")
 @click.option("--queue", default=None, help="Batch queue to consume (default: <namespace>.gpu.<host>.<gpu>).")
-def main(device: int, backend: str, model: str | None, host: str, queue: str | None) -> None:
+@click.option("--supervise/--no-supervise", default=True, show_default=True,
+              help="Run the worker as a child process and restart it if it dies.")
+def main(device: int, backend: str, model: str | None, host: str, queue: str | None, supervise: bool) -> None:
     """Run one GPU worker: one batch at a time, results to Redis, heartbeats to the fleet view."""
-    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    if supervise:
+        from gpu_worker.supervisor import supervise as run_supervised
+        from tasks.config import Settings
+        from tasks.logs import setup_logging
 
+        setup_logging(Settings.from_env())
+        argv = [sys.executable, "-m", "gpu_worker", *sys.argv[1:], "--no-supervise"]
+        sys.exit(run_supervised(argv))
+    os.environ["CUDA_VISIBLE_DEVICES"] = str(device)
+    run_worker(device, backend, model, host, queue)
+
+
+def run_worker(device: int, backend: str, model: str | None, host: str, queue: str | None) -> None:
     import redis
 
     from gpu_worker.backends import load_backend
-    from gpu_worker.heartbeat import Announcer, HeartbeatStep, WorkerRuntime
+    from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import BatchRunner, WorkerState
+    from gpu_worker.supervisor import CANNOT_START
     from tasks.celery_app import RUN_BATCH, make_celery
+    from tasks.claims import Claims
     from tasks.config import Settings
     from tasks.fleet import Fleet
+    from tasks.ledger import Ledger, LedgerWriter, make_engine
     from tasks.logs import setup_logging
     from tasks.results import ResultWriter
     from tasks.schema import Batch
@@ -44,21 +61,27 @@ def main(device: int, backend: str, model: str | None, host: str, queue: str | N
         model_backend = load_backend(backend, settings, model)
     except Exception as exc:  # a worker that cannot load its model must not start half-alive
         click.echo(f"gpu-worker: cannot load backend {backend!r}: {exc}", err=True)
-        sys.exit(2)
+        sys.exit(CANNOT_START)
 
     queue = queue or settings.gpu_queue(host, device)
     worker_id = f"gpu{device}@{host}"
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
     app = make_celery(settings)
     state = WorkerState()
+    ledger = LedgerWriter(Ledger(make_engine(settings.database_url), settings.store_inputs),
+                          max_buffer=settings.ledger_buffer,
+                          on_drop=lambda n: client.incrby(settings.key("stats", "ledger_dropped"), n))
     runner = BatchRunner(
         model_backend,
         ResultWriter(client, lambda item_id: settings.key("result", item_id), settings.result_ttl_s,
-                     settings.key("stats", "items_done")),
-        worker_id, state, Announcer(app, settings.namespace),
+                     settings.key("stats", "items_done"), settings.key("stats", "batches_done")),
+        worker_id, state,
+        announce=Announcer(app, settings.namespace),
+        claims=Claims(client, settings.key("claim")),
+        give_back=GiveBack(app, settings.recovery_queue, worker_id),
+        record=ledger.record,
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_interval_s * settings.heartbeat_stale_factor)
-
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
                                             fleet, state, settings)
     app.steps["worker"].add(HeartbeatStep)
@@ -70,10 +93,13 @@ def main(device: int, backend: str, model: str | None, host: str, queue: str | N
     # One pool thread: one batch at a time, while the event loop stays free to ack at once and to take
     # the next batch as soon as it is due. (The solo pool runs the batch inside the loop; kombu then leaves
     # the ack queued until its next poll times out, measured here as 2 s idle gaps between batches.)
-    app.worker_main(["worker", "--pool=threads", "--concurrency=1", f"--queues={queue}",
-                     f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
-                     f"--prefetch-multiplier={settings.max_outstanding_batches}",
-                     "--without-gossip", "--without-mingle", "--task-events"])
+    try:
+        app.worker_main(["worker", "--pool=threads", "--concurrency=1", f"--queues={queue}",
+                         f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
+                         f"--prefetch-multiplier={settings.max_outstanding_batches}",
+                         "--without-gossip", "--without-mingle", "--task-events"])
+    finally:
+        ledger.close()
 
 
 if __name__ == "__main__":

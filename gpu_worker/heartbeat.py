@@ -16,7 +16,8 @@ from celery.worker import state as celery_state
 from gpu_worker.runner import WorkerState
 from tasks.config import Settings
 from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
-from tasks.request_queue import RETRY_POLICY
+from tasks.queues import RETRY_POLICY, recovery_queue
+from tasks.schema import Batch, Failure
 
 log = logging.getLogger("llmb.worker")
 
@@ -65,13 +66,15 @@ class WorkerRuntime:
         self.settings = settings
 
     def info(self) -> WorkerInfo:
+        now = time.time()
         started = self.state.batch_started_at
         return WorkerInfo(
             id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
             state="busy" if started is not None else "idle",
             outstanding=len(celery_state.reserved_requests),
             completed=self.state.completed, batch_started_at=started,
-            batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=time.time(),
+            batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
+            free_in_ms=round(self.state.free_in_ms(now), 1),
         )
 
 
@@ -92,3 +95,19 @@ class Announcer:
                                  serializer="json", retry=True, retry_policy=RETRY_POLICY)
         except Exception as exc:
             log.warning("could not announce %s of batch %s: %s", event.event, event.batch_id, exc)
+
+
+class GiveBack:
+    """Hands a batch this worker cannot finish back to the batchers, durably (before its task is acked)."""
+
+    def __init__(self, app: Celery, queue_name: str, worker_id: str) -> None:
+        self.app = app
+        self.queue = recovery_queue(queue_name)
+        self.worker_id = worker_id
+
+    def __call__(self, batch: Batch, failure: Failure, error: str) -> None:
+        with self.app.producer_or_acquire() as producer:
+            producer.publish({"batch": batch.to_dict(), "failure": str(failure), "error": error,
+                              "worker": self.worker_id},
+                             exchange="", routing_key=self.queue.name, declare=[self.queue], serializer="json",
+                             delivery_mode=2, retry=True, retry_policy=RETRY_POLICY)

@@ -1,26 +1,33 @@
 """Runs one batch on the backend and writes every item's outcome: the body of the batch task.
 
-Items whose caller's deadline has already passed are dropped before the model runs. Outputs are mapped back
-by position; a length mismatch or an exception fails the whole batch, and each of its items gets an error
-result (never silence: a caller must not wait for an output that will not come).
+Before running, the worker claims the batch (:mod:`tasks.claims`): a batch that was reassigned while this
+worker was away, or already done, is skipped; one whose previous holder died while running it goes back to
+the batcher to be split. Items whose caller's deadline has passed are dropped before the model runs.
+Outputs are mapped back by position. A batch on which the model raises (or returns the wrong number of
+outputs) also goes back to the batcher, which splits it to isolate the poison input; the worker never
+answers its callers with a failure it cannot attribute.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import redis
-
-from collections.abc import Callable
+from celery.exceptions import Reject
 
 from gpu_worker.backends import Backend
+from tasks.claims import Claims
 from tasks.fleet import BatchEvent
+from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
 from tasks.results import ResultWriter
-from tasks.schema import Batch, ItemResult
+from tasks.schema import Batch, Failure, ItemResult
 
 log = logging.getLogger("llmb.worker")
+
+GiveBack = Callable[[Batch, Failure, str], None]
 
 
 class WorkerState:
@@ -37,22 +44,34 @@ class WorkerState:
         with self._lock:
             self.batch_started_at = at
 
-    def finished(self, run_ms: float) -> None:
+    def finished(self, run_ms: float | None) -> None:
         with self._lock:
             self.batch_started_at = None
             self.completed += 1
-            est = self.batch_ms_estimate
-            self.batch_ms_estimate = run_ms if est == 0 else est + self.alpha * (run_ms - est)
+            if run_ms is not None:
+                est = self.batch_ms_estimate
+                self.batch_ms_estimate = run_ms if est == 0 else est + self.alpha * (run_ms - est)
+
+    def free_in_ms(self, now: float) -> float:
+        """Estimated time until the running batch ends (0 when idle)."""
+        with self._lock:
+            if self.batch_started_at is None:
+                return 0.0
+            return max(0.0, self.batch_ms_estimate - (now - self.batch_started_at) * 1000)
 
 
 class BatchRunner:
-    def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState,
-                 announce: Callable[[BatchEvent], None]) -> None:
+    def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState, *,
+                 announce: Callable[[BatchEvent], None], claims: Claims, give_back: GiveBack,
+                 record: Callable[[LedgerEvent], None]) -> None:
         self.backend = backend
         self.writer = writer
         self.worker_id = worker_id
         self.state = state
         self.announce = announce
+        self.claims = claims
+        self.give_back = give_back
+        self.record = record
 
     def run(self, batch: Batch) -> dict[str, Any]:
         """Run the batch and write its results; the batchers hear when it starts and when it is done."""
@@ -65,46 +84,72 @@ class BatchRunner:
             self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms))
 
     def _run(self, batch: Batch) -> dict[str, Any]:
+        summary: dict[str, Any] = {"batch_id": batch.id, "size": len(batch.items)}
+        claim = self.claims.for_run(batch.id, self.worker_id)
+        if claim == "skip":
+            log.info("batch %s was reassigned or already done; skipping it", batch.id, extra={"batch_id": batch.id})
+            return {**summary, "skipped": True}
+        if claim == "died":
+            log.warning("batch %s: its previous worker died running it; handing it back for isolation", batch.id,
+                        extra={"batch_id": batch.id})
+            self._hand_back(batch, Failure.DIED, "the worker running this batch died")
+            return {**summary, "given_back": "died"}
+
         now = time.time()
-        live = [i for i in batch.items if i.deadline > now]
-        dropped = len(batch.items) - len(live)
-        summary: dict[str, Any] = {"batch_id": batch.id, "size": len(live), "dropped_expired": dropped}
+        live = tuple(i for i in batch.items if i.deadline > now)
+        expired = [i for i in batch.items if i.deadline <= now]
+        if expired:
+            self.record(ItemsOutcome(batch.model, expired, "expired", "deadline passed before the batch ran",
+                                     batch.id))
+        summary.update(size=len(live), dropped_expired=len(expired))
         if not live:
-            log.info("batch %s: all %d items expired before it ran; dropped", batch.id, dropped,
-                     extra={"batch_id": batch.id})
+            self.writer.mark_done(self.claims.key(batch.id))
             return summary
+
         started_at = time.time()
         t0 = time.monotonic()
         self.state.started(started_at)
         self.announce(BatchEvent(self.worker_id, batch.id, "started"))
-        error: str | None = None
         try:
             outputs = self.backend.run([i.input for i in live])
             if len(outputs) != len(live):
                 raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(live)} inputs")
-        except Exception as exc:  # the model is a black box: any failure fails this batch, not the worker
-            log.exception("batch %s failed on %s", batch.id, self.worker_id, extra={"batch_id": batch.id})
+        except Exception as exc:  # the model is a black box: any failure sends the batch back for isolation
+            run_ms = (time.monotonic() - t0) * 1000
+            self.state.finished(None)
             error = f"the model raised {type(exc).__name__}: {exc}"
-            outputs = [None] * len(live)
+            log.warning("batch %s (size %d) failed: %s; handing it back to be split", batch.id, len(live), error,
+                        extra={"batch_id": batch.id})
+            ran = batch.with_items(live)
+            self._hand_back(ran, Failure.RAISED, error)
+            self.record(BatchOutcome(ran, "raised", "retrying", self.worker_id, error, started_at, time.time(),
+                                     round(run_ms, 3)))
+            return {**summary, "given_back": "raised", "run_ms": None}
+
         run_ms = (time.monotonic() - t0) * 1000
         self.state.finished(run_ms)
-        common = dict(batch_id=batch.id, batch_size=len(live), worker=self.worker_id, started_at=started_at,
-                      run_ms=round(run_ms, 3))
-        results = [
-            ItemResult(output=o, **common) if error is None
-            else ItemResult(error="inference_failed", message=error, **common)  # type: ignore[arg-type]
-            for o in outputs
-        ]
-        self._write(list(zip(live, results)))
-        summary.update(run_ms=round(run_ms, 1), failed=error is not None)
-        log.info("batch %s size=%d run_ms=%.1f dropped=%d%s", batch.id, len(live), run_ms, dropped,
-                 " FAILED" if error else "", extra={"batch_id": batch.id, "size": len(live), "run_ms": run_ms})
-        return summary
+        results = [ItemResult(output=o, batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
+                              started_at=started_at, run_ms=round(run_ms, 3)) for o in outputs]
+        self._write(list(zip(live, results)), batch.id)
+        self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(), round(run_ms, 3)))
+        log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
+                 extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
+        return {**summary, "run_ms": round(run_ms, 1)}
 
-    def _write(self, pairs: list[tuple[Any, ItemResult]], attempts: int = 3) -> None:
+    def _hand_back(self, batch: Batch, failure: Failure, error: str) -> None:
+        """Give the batch back to the batchers; if that fails, requeue it so nothing is lost."""
+        try:
+            self.give_back(batch, failure, error)
+        except Exception as exc:
+            log.error("could not hand batch %s back (%s); requeueing it", batch.id, exc)
+            self.claims.restore(batch.id, self.worker_id)  # its redelivery must be recognised as failed again
+            raise Reject(f"could not hand the batch back: {exc}", requeue=True) from exc
+        self.claims.give_back(batch.id)
+
+    def _write(self, pairs: list[tuple[Any, ItemResult]], batch_id: str, attempts: int = 3) -> None:
         for attempt in range(1, attempts + 1):
             try:
-                self.writer.write(pairs)
+                self.writer.write(pairs, done_key=self.claims.key(batch_id))
                 return
             except redis.RedisError as exc:
                 if attempt == attempts:

@@ -13,7 +13,9 @@ url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_u
 if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
     Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
 
-target_metadata = None  # the ledger's models arrive with the fleet issue
+from tasks.ledger import Base  # noqa: E402
+
+target_metadata = Base.metadata
 
 
 def run_offline() -> None:

@@ -1,42 +1,77 @@
-"""Global admission cap, shared by every API process through one Redis sorted set.
+"""Admission at the door, shared by every API process through Redis: quarantine check and global cap.
 
-Members are the ids of admitted, unanswered items, scored by their deadline. Admission is one Lua call:
-forget members whose deadline has passed (so an API process that died cannot leak capacity for longer than
-its callers' deadlines), then admit all of a call's items only if they fit under the cap.
+Members of one sorted set are the ids of admitted, unanswered items, scored by their deadline; a second
+sorted set holds the same ids scored by arrival time (for the age of the oldest waiting request). Admission
+is one Lua call: refuse a quarantined input; forget members whose deadline has passed (so an API process
+that died cannot leak capacity for longer than its callers' deadlines); admit all of a call's items only if
+they fit under the cap.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from enum import StrEnum
 
 import redis
 
+# KEYS: inflight (by deadline), arrivals (by arrival), quarantine set
+# ARGV: now, cap, deadline, n_items, item ids..., input hashes...
 _ADMIT = """
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-local n = #ARGV - 3
-if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[2]) then
-  return 0
+local n = tonumber(ARGV[4])
+for i = 5 + n, #ARGV do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
-for i = 4, #ARGV do
+local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+if #expired > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
+  for i = 1, #expired, 1000 do
+    redis.call('ZREM', KEYS[2], unpack(expired, i, math.min(i + 999, #expired)))
+  end
+end
+if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[2]) then return 'full' end
+for i = 5, 4 + n do
   redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i])
+  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
 end
-return 1
+return 'ok'
 """
 
 
+class Verdict(StrEnum):
+    OK = "ok"
+    FULL = "full"
+    QUARANTINED = "quarantined"
+
+
 class Admission:
-    def __init__(self, client: redis.Redis, key: str, cap: int) -> None:
+    def __init__(self, client: redis.Redis, key: str, cap: int, quarantine_key: str) -> None:
         self.client = client
         self.key = key
+        self.arrivals_key = key + ":arrivals"
+        self.quarantine_key = quarantine_key
         self.cap = cap
         self._admit = client.register_script(_ADMIT)
 
-    def try_admit(self, item_ids: Sequence[str], *, now: float, deadline: float) -> bool:
-        """Admit all items (True) or none (False). ``now`` and ``deadline`` are epoch seconds."""
-        return bool(self._admit(keys=[self.key], args=[now, self.cap, deadline, *item_ids]))
+    def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, now: float,
+                  deadline: float) -> tuple[Verdict, str | None]:
+        """Admit all items or none. Returns the verdict and, when quarantined, the offending input hash."""
+        raw = self._admit(keys=[self.key, self.arrivals_key, self.quarantine_key],
+                          args=[now, self.cap, deadline, len(item_ids), *item_ids, *hashes])
+        text = raw.decode() if isinstance(raw, bytes) else str(raw)
+        if text.startswith("quarantined:"):
+            return Verdict.QUARANTINED, text.split(":", 1)[1]
+        return Verdict(text), None
 
     def release(self, item_ids: Sequence[str]) -> None:
         if item_ids:
-            self.client.zrem(self.key, *item_ids)
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(self.key, *item_ids)
+            pipe.zrem(self.arrivals_key, *item_ids)
+            pipe.execute()
 
     def in_flight(self, now: float) -> int:
         return int(self.client.zcount(self.key, now, "+inf"))
+
+    def oldest_arrival(self) -> float | None:
+        """Arrival time (epoch) of the oldest admitted, unanswered item, if any."""
+        oldest = self.client.zrange(self.arrivals_key, 0, 0, withscores=True)
+        return float(oldest[0][1]) if oldest else None

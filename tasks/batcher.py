@@ -18,13 +18,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tasks.flush import BatchBuffer, FlushPolicy, Pending
 from tasks.fleet import WorkerInfo
+from tasks.isolation import Plan, plan
 from tasks.scheduler import Scheduler
-from tasks.schema import Batch, BatchItem, InferenceRequest
+from tasks.schema import Batch, BatchItem, Failure, InferenceRequest
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,14 @@ class Batcher:
         *,
         max_outstanding: int = 2,
         lead_s: float = 0.015,
+        max_retries: int = 3,
+        on_dropped: Callable[[str, list[BatchItem]], None] = lambda model, items: None,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
     ) -> None:
         self.policy = policy
+        self.max_retries = max_retries
+        self.on_dropped = on_dropped
         self.dispatch = dispatch
         self.live_workers = live_workers
         self.clock = clock
@@ -72,7 +78,13 @@ class Batcher:
         # Models whose ready batch found no worker able to take it, with when to try again (None: when a
         # worker announces something or the periodic poll runs). Their buffers keep filling meanwhile.
         self.held: dict[str, float | None] = {}
-        self.stats = {"requests": 0, "items": 0, "batches": 0, "dispatched_items": 0, "expired_items": 0}
+        # Batches that came back (split halves, reassigned ones): sent before any new batch of their model.
+        # Each carries the ack of the recovery message it came from, given when the last of them is sent.
+        self.retries: dict[str, deque[tuple[Batch, _Delivery]]] = {}
+        # Batches sent and not heard finished, with their worker: what to recover if that worker is lost.
+        self.in_flight: dict[str, tuple[str, Batch, float]] = {}
+        self.stats = {"requests": 0, "items": 0, "batches": 0, "dispatched_items": 0, "expired_items": 0,
+                      "recovered_batches": 0}
 
     # -- input ---------------------------------------------------------------------------------------
     def add(self, request: InferenceRequest, ack: Callable[[], None]) -> float | None:
@@ -89,7 +101,7 @@ class Batcher:
         for item in request.items:
             entry = _Entry(
                 BatchItem(id=item.id, request_id=request.id, input=item.input, deadline=request.deadline,
-                          accepted_at=request.accepted_at, reply_to=request.reply_to),
+                          accepted_at=request.accepted_at, reply_to=request.reply_to, tenant=request.tenant),
                 delivery,
             )
             buffer.add(entry, now=now, deadline=request.deadline + offset)
@@ -105,9 +117,10 @@ class Batcher:
         return buffer.seconds_until_ready(self.clock())
 
     def discard_all(self) -> int:
-        """Forget every buffered item without acknowledging it (the broker will redeliver them)."""
-        count = sum(len(b.clear()) for b in self.buffers.values())
+        """Forget every buffered item and retry without acknowledging it (the broker will redeliver them)."""
+        count = sum(len(b.clear()) for b in self.buffers.values()) + sum(len(r) for r in self.retries.values())
         self.buffers.clear()
+        self.retries.clear()
         self.held.clear()
         return count
 
@@ -117,25 +130,27 @@ class Batcher:
 
         Models held for want of a worker are flushed only once their retry time is due.
         """
-        for model in list(self.buffers):
+        for model in list(self.buffers.keys() | self.retries.keys()):
             retry_at = self.held.get(model)
             if model not in self.held or (retry_at is not None and retry_at <= self.clock()):
                 self.flush(model)
         now = self.clock()
         waits = [w for m, b in self.buffers.items()
                  if m not in self.held and (w := b.seconds_until_ready(now)) is not None]
+        waits += [0.0 for m in self.retries if m not in self.held]
         waits += [max(0.0, at - now) for at in self.held.values() if at is not None]
         return min(waits, default=None)
 
     def flush(self, model: str) -> int:
         """Send as many ready batches of ``model`` as there are; returns how many were sent."""
-        buffer = self.buffers[model]
+        buffer = self.buffers.get(model) or BatchBuffer(self.policy)
+        retries = self.retries.get(model) or deque()
         now = self.clock()
-        self._drop(buffer, now)
+        self._drop(model, buffer, now)
         sent = 0
         self.held.pop(model, None)
         workers: list[WorkerInfo] | None = None
-        while buffer.is_ready(now):
+        while retries or buffer.is_ready(now):
             if workers is None:
                 workers = self.live_workers()
             choice = self.scheduler.choose(workers, model, now)
@@ -145,28 +160,47 @@ class Batcher:
                 log.debug("holding %d %s items: %d live workers, retry in %s s", len(buffer), model,
                           len(workers), choice.retry_in_s)
                 break
-            if self._drop(buffer, now + self.scheduler.batch_s(worker)):
+            if retries:
+                batch, delivery = retries.popleft()
+                if not self._send(batch, worker):
+                    retries.appendleft((batch, delivery))
+                    self.held[model] = None
+                    break
+                delivery.resolve()
+                sent += 1
+                continue
+            if self._drop(model, buffer, now + self.scheduler.batch_s(worker)):
                 continue  # items that could not finish in time are gone: is a batch still due?
             pending = buffer.take()
             batch = self._batch(model, pending)
-            try:
-                self.dispatch(batch, worker)
-            except Exception:
-                log.exception("could not hand batch %s to %s; keeping its items", batch.id, worker.id)
+            if not self._send(batch, worker):
                 buffer.put_back(pending)
                 self.held[model] = None
                 break
-            self.scheduler.sent(worker.id, batch.id, self.clock())
             for p in pending:
                 p.item.delivery.resolve()
             self.stats["batches"] += 1
             self.stats["dispatched_items"] += len(pending)
             sent += 1
             now = self.clock()
+        if not retries:
+            self.retries.pop(model, None)
         if not buffer:
-            del self.buffers[model]
+            self.buffers.pop(model, None)
+        if not buffer and not retries:
             self.held.pop(model, None)
         return sent
+
+    def _send(self, batch: Batch, worker: WorkerInfo) -> bool:
+        try:
+            self.dispatch(batch, worker)
+        except Exception:
+            log.exception("could not hand batch %s to %s; keeping it", batch.id, worker.id)
+            return False
+        now = self.clock()
+        self.scheduler.sent(worker.id, batch.id, now)
+        self.in_flight[batch.id] = (worker.id, batch, now)
+        return True
 
     def started(self, worker_id: str, batch_id: str) -> float | None:
         """A worker started a batch: its backlog estimate is now exact. Returns poll()'s delay."""
@@ -176,7 +210,45 @@ class Batcher:
     def finished(self, worker_id: str, batch_id: str, run_s: float | None = None) -> float | None:
         """A worker finished a batch: its slot is free, so held batches may go now. Returns poll()'s delay."""
         self.scheduler.finished(worker_id, batch_id, run_s)
+        self.in_flight.pop(batch_id, None)
         return self.retry_held()
+
+    # -- recovery ------------------------------------------------------------------------------------
+    def recover(self, batch: Batch, failure: Failure) -> Plan:
+        """Decide what to do with a batch that did not finish. The caller answers the plan's failed items,
+        then hands its batches to :meth:`requeue`."""
+        self.in_flight.pop(batch.id, None)
+        decided = plan(batch, failure, now=self.wallclock(), max_retries=self.max_retries)
+        self.stats["recovered_batches"] += 1
+        log.info("batch %s (%d items) came back (%s): %d batch(es) to send again, %d poison, %d exhausted",
+                 batch.id, len(batch.items), failure, len(decided.batches), len(decided.poison),
+                 len(decided.exhausted), extra={"batch_id": batch.id})
+        return decided
+
+    def requeue(self, batches: list[Batch], ack: Callable[[], None]) -> float | None:
+        """Send these batches ahead of new ones; ``ack`` runs once all of them are handed to workers."""
+        if not batches:
+            ack()
+            return self.poll()
+        delivery = _Delivery(ack=ack, remaining=len(batches))
+        for b in batches:
+            self.retries.setdefault(b.model, deque()).append((b, delivery))
+            self.held.pop(b.model, None)
+        return self.poll()
+
+    def worker_lost(self, worker_id: str) -> list[Batch]:
+        """Forget a lost worker; returns the batches this batcher had sent it and not heard finish."""
+        lost = [b for wid, b, _ in self.in_flight.values() if wid == worker_id]
+        for b in lost:
+            del self.in_flight[b.id]
+        self.scheduler.forget_worker(worker_id)
+        return lost
+
+    def forget_stale_in_flight(self, older_than_s: float) -> None:
+        """Drop in-flight records whose finish was never heard (a lost announcement), to bound memory."""
+        horizon = self.clock() - older_than_s
+        for batch_id in [b for b, (_, _, at) in self.in_flight.items() if at < horizon]:
+            del self.in_flight[batch_id]
 
     def retry_held(self) -> float | None:
         """Ask the scheduler again for every held model (on news from the fleet, and periodically)."""
@@ -184,12 +256,14 @@ class Batcher:
             self.held[model] = self.clock()  # due now: poll() re-asks the scheduler
         return self.poll()
 
-    def _drop(self, buffer: BatchBuffer[_Entry], horizon: float) -> int:
+    def _drop(self, model: str, buffer: BatchBuffer[_Entry], horizon: float) -> int:
         """Drop items whose deadline falls before ``horizon``: their callers are gone by then anyway."""
         dropped = buffer.drop_expired(horizon)
         for entry in dropped:
             entry.delivery.resolve()
-        self.stats["expired_items"] += len(dropped)
+        if dropped:
+            self.stats["expired_items"] += len(dropped)
+            self.on_dropped(model, [e.item for e in dropped])
         return len(dropped)
 
     def _batch(self, model: str, pending: list[Pending[_Entry]]) -> Batch:

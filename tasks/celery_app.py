@@ -26,6 +26,10 @@ def make_celery(settings: Settings) -> Celery:
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         task_default_queue=settings.batcher_queue,  # never the shared default 'celery' queue
+        # Remote control and events per namespace, so two systems on one broker never see each other's
+        # workers (and two workers of the same name in different namespaces do not collide).
+        control_exchange=settings.namespace,
+        event_exchange=f"{settings.namespace}.events",
         task_create_missing_queues=True,
         worker_send_task_events=True,  # Flower
         task_send_sent_event=True,

@@ -43,11 +43,16 @@ class Settings:
     heartbeat_interval_s: float = 1.0
     heartbeat_stale_factor: float = 3.0
     max_outstanding_batches: int = 2
+    max_retries: int = 3
+    store_inputs: bool = False
+    ledger_buffer: int = 10_000
     dispatch_lead_ms: float = 15.0
 
     sim_batch_ms: float = 250.0
     sim_item_ms: float = 0.0
     sim_max_batch: int = 100
+    sim_raise_on: str = ""
+    sim_kill_on: str = ""
 
     log_level: str = "INFO"
     log_json: bool = False
@@ -73,6 +78,10 @@ class Settings:
     @property
     def request_queue(self) -> str:
         return f"{self.namespace}.requests"
+
+    @property
+    def recovery_queue(self) -> str:
+        return f"{self.namespace}.recovery"
 
     @property
     def batcher_queue(self) -> str:
@@ -113,6 +122,9 @@ DOCS: dict[str, str] = {
     "web_bind": "Address gunicorn listens on.",
     "web_workers": "gunicorn worker processes (each holds many waiting requests on gevent).",
     "web_connections": "Simultaneous connections per gunicorn worker process.",
+    "max_retries": "Times a request is sent again after its worker was lost before running it; then it fails (503).",
+    "store_inputs": "Keep each input's text in the ledger (needed by `llmb-admin replay` and `requeue`).",
+    "ledger_buffer": "Ledger records a process keeps while the database is unreachable; beyond that they are dropped and counted.",
     "dispatch_lead_ms": "A busy worker's next batch is sent this long before its running batch should end; until then it keeps filling.",
     "heartbeat_interval_s": "How often a GPU worker reports to Redis.",
     "heartbeat_stale_factor": "A worker silent for this many intervals leaves the pool.",
@@ -120,6 +132,8 @@ DOCS: dict[str, str] = {
     "sim_batch_ms": "sim backend: fixed time per batch.",
     "sim_item_ms": "sim backend: extra time per item in the batch.",
     "sim_max_batch": "sim backend: most items the simulated device takes at once.",
+    "sim_raise_on": "sim backend: a batch holding an input that contains this text raises (poison tests; empty: off).",
+    "sim_kill_on": "sim backend: a batch holding an input that contains this text kills the worker process (empty: off).",
     "log_level": "Log level of every process.",
     "log_json": "Log one JSON object per line instead of plain text.",
 }

@@ -2,7 +2,9 @@
 
 The bootstep is glue between kombu and :class:`tasks.batcher.Batcher`: it decodes messages at the edge,
 arms one timer on the worker's event loop for the next flush, refreshes the fleet view from Redis, and
-publishes each batch as a Celery task to the chosen worker's own queue, with publisher confirms.
+publishes each batch as a Celery task to the chosen worker's own queue, with publisher confirms. It also
+consumes the workers' batch announcements and the recovery queue (:mod:`tasks.recovery`), and checks for
+lost workers at every tick.
 """
 from __future__ import annotations
 
@@ -24,8 +26,13 @@ from tasks.config import Settings
 from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
 from tasks.flush import FlushPolicy
 from tasks.logs import setup_logging
-from tasks.request_queue import RETRY_POLICY, request_queue
-from tasks.schema import Batch, InferenceRequest
+from tasks.claims import Claims
+from tasks.ledger import ItemsOutcome, Ledger, LedgerWriter, make_engine
+from tasks.quarantine import Quarantine
+from tasks.queues import RETRY_POLICY, recovery_queue, request_queue
+from tasks.recovery import Recovery
+from tasks.results import ResultWriter
+from tasks.schema import Batch, BatchItem, InferenceRequest
 
 log = logging.getLogger("llmb.batcher")
 
@@ -38,11 +45,18 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.app: Celery = c.app
         self.settings = settings_of(c.app)
         s = self.settings
-        self.fleet = Fleet(redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2),
-                           s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
+        client = redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2)
+        self.fleet = Fleet(client, s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
+        self.ledger = LedgerWriter(Ledger(make_engine(s.database_url), s.store_inputs), max_buffer=s.ledger_buffer,
+                                   on_drop=lambda n: client.incrby(s.key("stats", "ledger_dropped"), n))
         self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000), self._dispatch,
                                self._live_workers, max_outstanding=s.max_outstanding_batches,
-                               lead_s=s.dispatch_lead_ms / 1000)
+                               lead_s=s.dispatch_lead_ms / 1000, max_retries=s.max_retries,
+                               on_dropped=self._on_dropped)
+        self.recovery = Recovery(
+            self.batcher, self.fleet, Claims(client, s.key("claim")), Quarantine(client, s.key("quarantine")),
+            ResultWriter(client, lambda item_id: s.key("result", item_id), s.result_ttl_s), self.ledger.record,
+            lambda: self.app.pool.acquire(block=True, timeout=10), s.recovery_queue)
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
         self._timer: Any = None
@@ -59,6 +73,8 @@ class BatchingStep(bootsteps.ConsumerStep):
                      prefetch_count=s.batcher_prefetch, accept=["json"]),
             Consumer(channel, queues=[announcements], on_message=self._on_batch_event, no_ack=True,
                      accept=["json"]),
+            Consumer(channel, queues=[recovery_queue(s.recovery_queue)], on_message=self._on_recovery,
+                     prefetch_count=s.batcher_prefetch, accept=["json"]),
         ]
 
     def start(self, c: Any) -> None:
@@ -77,6 +93,7 @@ class BatchingStep(bootsteps.ConsumerStep):
     def shutdown(self, c: Any) -> None:
         self._cancel_timers()
         self.batcher.discard_all()
+        self.ledger.close()
         super().shutdown(c)
 
     # -- kombu callbacks -----------------------------------------------------------------------------
@@ -101,13 +118,24 @@ class BatchingStep(bootsteps.ConsumerStep):
             run_s = None if event.run_ms is None else event.run_ms / 1000
             self._arm(self.batcher.finished(event.worker, event.batch_id, run_s))
 
+    def _on_recovery(self, message: Message) -> None:
+        self._arm(self.recovery.on_message(message))
+
+    def _on_dropped(self, model: str, items: list[BatchItem]) -> None:
+        self.ledger.record(ItemsOutcome(model, items, "expired", "deadline passed before it could run"))
+
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_eta = float("inf")
         self._arm(self.batcher.poll())
 
     def _on_tick(self) -> None:
-        """Periodic: refresh the fleet and retry batches held back for want of a worker."""
+        """Periodic: take back lost workers' batches, refresh the fleet, retry held batches."""
+        try:
+            self.recovery.check(time.time())
+        except Exception as exc:  # Redis or the broker is away: try again at the next tick
+            log.warning("could not check the fleet for lost workers: %s", exc)
+        self.batcher.forget_stale_in_flight(older_than_s=600)
         self._workers_at = 0.0
         self._arm(self.batcher.retry_held())
 

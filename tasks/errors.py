@@ -28,6 +28,13 @@ class PayloadTooLarge(BatchingError):
     type = "payload_too_large"
 
 
+class PoisonInput(BatchingError):
+    """Raised when an input failed alone (the model raised or its worker died on it) or is quarantined."""
+
+    status = 422
+    type = "poison_input"
+
+
 class QueueFull(BatchingError):
     """Raised when admitting the request would exceed the admission cap."""
 
@@ -40,6 +47,12 @@ class Unavailable(BatchingError):
 
     status = 503
     type = "unavailable"
+
+
+class RetriesExhausted(Unavailable):
+    """Raised when a request's workers were lost more times than LLMB_MAX_RETRIES allows."""
+
+    type = "retries_exhausted"
 
 
 class DeadlineExceeded(BatchingError):

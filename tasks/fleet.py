@@ -25,6 +25,7 @@ class WorkerInfo:
     batch_started_at: float | None  # when the running batch started, if busy
     batch_ms_estimate: float  # moving average of batch run time
     heartbeat_at: float
+    free_in_ms: float = 0.0  # estimated time until the running batch ends
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

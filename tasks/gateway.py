@@ -14,17 +14,25 @@ import redis
 from amqp.exceptions import AMQPError
 from kombu.exceptions import KombuError
 
-from tasks.admission import Admission
+from tasks.admission import Admission, Verdict
 from tasks.config import Settings
-from tasks.errors import DeadlineExceeded, InferenceFailed, QueueFull, Unavailable
+from tasks.errors import (BatchingError, DeadlineExceeded, InferenceFailed, PoisonInput, QueueFull,
+                          RetriesExhausted, Unavailable)
 from tasks.fleet import Fleet
-from tasks.request_queue import RequestPublisher
+from tasks.queues import RequestPublisher
 from tasks.results import ResultListener
-from tasks.schema import InferenceRequest, Item, ItemResult
+from tasks.schema import InferenceRequest, Item, ItemResult, input_hash
 
 log = logging.getLogger(__name__)
 
 BROKER_ERRORS = (KombuError, AMQPError, OSError)
+
+# Error types a worker or the batcher writes into an item's result, and what the caller gets for each.
+_ERRORS: dict[str, type[BatchingError]] = {
+    PoisonInput.type: PoisonInput,
+    RetriesExhausted.type: RetriesExhausted,
+    InferenceFailed.type: InferenceFailed,
+}
 
 
 @dataclass(frozen=True)
@@ -52,7 +60,8 @@ class Gateway:
         self.client = client
         self.publisher = publisher
         self.reply_to = settings.key("replies", instance_id)
-        self.admission = Admission(client, settings.key("inflight"), settings.admission_cap)
+        self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
+                                   settings.key("quarantine"))
         self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_interval_s * settings.heartbeat_stale_factor)
         self.listener = ResultListener(
             client, self.reply_to, lambda item_id: settings.key("result", item_id), settings.result_recheck_ms / 1000
@@ -87,11 +96,15 @@ class Gateway:
             id=call.request_id, tenant=call.tenant, model=call.model, items=items,
             accepted_at=accepted_at, deadline=accepted_at + call.timeout_ms / 1000, reply_to=self.reply_to,
         )
+        hashes = [input_hash(call.model, text) for text in call.inputs]
         try:
-            admitted = self.admission.try_admit(ids, now=accepted_at, deadline=request.deadline)
+            verdict, bad_hash = self.admission.try_admit(ids, hashes, now=accepted_at, deadline=request.deadline)
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
-        if not admitted:
+        if verdict is Verdict.QUARANTINED:
+            raise PoisonInput(f"input {hashes.index(bad_hash or '')} is quarantined (hash {bad_hash}): it failed "
+                              f"alone before; an operator can release it with `llmb-admin quarantine release {bad_hash}`")
+        if verdict is Verdict.FULL:
             raise QueueFull(
                 f"the service is at its admission cap ({self.settings.admission_cap} items in flight); retry later",
                 retry_after_s=self.settings.retry_after_s,
@@ -116,7 +129,7 @@ class Gateway:
         results = tuple(found[i] for i in ids)
         failed = next((r for r in results if r.error), None)
         if failed is not None:
-            raise InferenceFailed(failed.message or "the model failed on this input")
+            raise _ERRORS.get(failed.error or "", InferenceFailed)(failed.message or "the model failed on this input")
         return Answer(results=results, accepted_at=accepted_at)
 
     def ping(self) -> dict[str, object]:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import redis
 
+from tasks.claims import DONE
 from tasks.schema import BatchItem, ItemResult
 
 log = logging.getLogger(__name__)
@@ -24,13 +25,16 @@ log = logging.getLogger(__name__)
 class ResultWriter:
     """Used by GPU workers: one Redis round trip per batch for all outputs and wake-ups."""
 
-    def __init__(self, client: redis.Redis, key: Callable[[str], str], ttl_s: int, counter_key: str) -> None:
+    def __init__(self, client: redis.Redis, key: Callable[[str], str], ttl_s: int,
+                 counter_key: str | None = None, batch_counter_key: str | None = None) -> None:
         self.client = client
         self.key = key
         self.ttl_s = ttl_s
-        self.counter_key = counter_key
+        self.counter_key = counter_key  # items answered with an output
+        self.batch_counter_key = batch_counter_key  # batches run
 
-    def write(self, results: Iterable[tuple[BatchItem, ItemResult]]) -> None:
+    def write(self, results: Iterable[tuple[BatchItem, ItemResult]], done_key: str | None = None) -> None:
+        """Write every result, wake every waiting API process, and (for a batch run) mark its claim done."""
         pipe = self.client.pipeline(transaction=False)
         by_channel: dict[str, list[str]] = defaultdict(list)
         count = 0
@@ -40,10 +44,18 @@ class ResultWriter:
             count += 1
         if not count:
             return
-        pipe.incrby(self.counter_key, count)
+        if self.counter_key:
+            pipe.incrby(self.counter_key, count)
+        if done_key is not None:
+            pipe.set(done_key, DONE, ex=self.ttl_s)
+            if self.batch_counter_key:
+                pipe.incr(self.batch_counter_key)
         for channel, ids in by_channel.items():
             pipe.publish(channel, ",".join(ids))
         pipe.execute()
+
+    def mark_done(self, done_key: str) -> None:
+        self.client.set(done_key, DONE, ex=self.ttl_s)
 
 
 class _Waiter:

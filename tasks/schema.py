@@ -6,8 +6,15 @@ before any policy sees them.
 """
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import hashlib
+from dataclasses import asdict, dataclass, replace
+from enum import StrEnum
 from typing import Any
+
+
+def input_hash(model: str, text: str) -> str:
+    """Identity of an input for quarantine: the same text sent to the same model."""
+    return hashlib.sha256(f"{model}\0{text}".encode()).hexdigest()[:32]
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,16 @@ class BatchItem:
     deadline: float
     accepted_at: float
     reply_to: str
+    tenant: str = "default"
+    retries: int = 0  # times re-dispatched because its worker was lost before running it
+
+
+class Failure(StrEnum):
+    """Why a batch came back to the batcher instead of finishing."""
+
+    RAISED = "raised"  # the model raised on it
+    DIED = "died"  # its worker died (or went silent) while running it
+    STRANDED = "stranded"  # its worker was lost before it started
 
 
 @dataclass(frozen=True)
@@ -68,6 +85,8 @@ class Batch:
     model: str
     items: tuple[BatchItem, ...]
     created_at: float
+    parent_id: str | None = None  # the failed batch this one was split from or re-dispatched for
+    attempt: int = 0  # failures in its ancestry: 0 for a batch of fresh requests
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -77,7 +96,15 @@ class Batch:
         return cls(
             id=str(d["id"]), model=str(d["model"]), created_at=float(d["created_at"]),
             items=tuple(BatchItem(**i) for i in d["items"]),
+            parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)),
         )
+
+    def with_items(self, items: tuple[BatchItem, ...]) -> "Batch":
+        return replace(self, items=items)
+
+    def derive(self, new_id: str, items: tuple[BatchItem, ...], *, now: float) -> "Batch":
+        """A new batch carrying some of this one's items (a half after a failure, or all of them again)."""
+        return replace(self, id=new_id, items=items, created_at=now, parent_id=self.id, attempt=self.attempt + 1)
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ Each stack gets its own namespace, so its queues and Redis keys are its own and 
 """
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -33,9 +34,11 @@ class Stack:
     def __init__(self, tmp: Path, **env: object) -> None:
         self.namespace = "t" + uuid.uuid4().hex[:10]
         self.tmp = tmp
+        self.database_url = f"sqlite:///{tmp / 'ledger.db'}"
         self.env = {**os.environ, "LLMB_NAMESPACE": self.namespace, "LLMB_BROKER_URL": BROKER_URL,
-                    "LLMB_REDIS_URL": REDIS_URL, "PYTHONUNBUFFERED": "1"}
+                    "LLMB_REDIS_URL": REDIS_URL, "LLMB_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}
         self.env.update({f"LLMB_{k.upper()}": str(v) for k, v in env.items()})
+        self.admin("db", "upgrade")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.redis = redis.Redis.from_url(REDIS_URL)
         self.port = 0
@@ -48,6 +51,18 @@ class Stack:
                                 start_new_session=True)
         self.procs[name] = proc
         return proc
+
+    def admin(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        """Run `llmb-admin` against this stack, as an operator would."""
+        done = subprocess.run([str(BIN / "llmb-admin"), *args], cwd=ROOT, env=self.env, capture_output=True,
+                              text=True, timeout=120)
+        if check and done.returncode != 0:
+            raise AssertionError(f"llmb-admin {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+        return done
+
+    def fleet(self) -> dict[str, dict[str, object]]:
+        """Heartbeats by worker id, as the workers wrote them."""
+        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(f"{self.namespace}:fleet").items()}
 
     def start_worker(self, device: int, **env: object) -> subprocess.Popen[bytes]:
         return self._spawn(f"gpu{device}", [str(BIN / "gpu-worker"), "--gpu", str(device), "--host", "test"], **env)
@@ -103,8 +118,8 @@ class Stack:
             self.redis.delete(key)
         with Connection(BROKER_URL) as conn:
             channel = conn.default_channel
-            for queue in [f"{self.namespace}.requests", f"{self.namespace}.batcher", f"{self.namespace}.gpu.test.0",
-                          f"{self.namespace}.gpu.test.1"]:
+            for queue in [f"{self.namespace}.requests", f"{self.namespace}.batcher", f"{self.namespace}.recovery",
+                          *(f"{self.namespace}.gpu.test.{n}" for n in range(4))]:
                 try:
                     channel.queue_delete(queue)
                 except Exception:

@@ -14,7 +14,7 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from tasks.config import Settings
 from tasks.gateway import Answer, Gateway
 from tasks.logs import setup_logging
-from tasks.request_queue import RequestPublisher
+from tasks.queues import RequestPublisher
 from webapp.errors import register_error_handlers
 from webapp.validation import parse_infer, request_id_from
 

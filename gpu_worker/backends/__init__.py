@@ -25,5 +25,6 @@ def load_backend(kind: str, settings: Settings, model: str | None = None) -> Bac
         from gpu_worker.backends.sim import SimBackend
 
         return SimBackend(name=model or "sim", batch_ms=settings.sim_batch_ms, item_ms=settings.sim_item_ms,
-                          max_batch=settings.sim_max_batch)
+                          max_batch=settings.sim_max_batch, raise_on=settings.sim_raise_on,
+                          kill_on=settings.sim_kill_on)
     raise ValueError(f"unknown backend {kind!r}; available: sim")

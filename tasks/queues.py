@@ -1,4 +1,9 @@
-"""The durable RabbitMQ queue of inference requests, and the publisher API processes use to feed it.
+"""Our own RabbitMQ queues (the batch queues are Celery's), and the publisher API processes feed requests with.
+
+- ``<ns>.requests``: inference requests, from API processes to batchers.
+- ``<ns>.recovery``: batches that came back from a worker (the model raised, or a worker found that the
+  previous holder of a batch died running it), from workers to batchers.
+
 
 One message per HTTP call (all of its items), published with publisher confirms so that a 200 from
 :meth:`RequestPublisher.publish` means RabbitMQ has the request. The message also expires in the broker at
@@ -17,6 +22,10 @@ RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "in
 
 def request_queue(name: str) -> Queue:
     """Declared identically by publishers and the batcher (a mismatch would make RabbitMQ refuse one)."""
+    return Queue(name, durable=True, routing_key=name)
+
+
+def recovery_queue(name: str) -> Queue:
     return Queue(name, durable=True, routing_key=name)
 
 

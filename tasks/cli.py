@@ -1,0 +1,332 @@
+"""`llmb-admin`: the operator's command line (fleet, stats, requeue, replay, quarantine, database).
+
+Connection settings come from the same ``LLMB_*`` variables as every process, or from the group's options.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import click
+import redis
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from tasks.config import Settings
+from tasks.errors import BatchingError
+from tasks.fleet import Fleet
+from tasks.gateway import Call, Gateway
+from tasks.ledger import BatchRecord, BatchRequest, Ledger, RequestRecord, Released, make_engine
+from tasks.quarantine import Quarantine
+from tasks.queues import RequestPublisher
+
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+class Admin:
+    """What the commands share: settings and lazily opened connections."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self._redis: redis.Redis | None = None
+
+    @property
+    def redis(self) -> redis.Redis:
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+        return self._redis
+
+    def fleet(self) -> Fleet:
+        s = self.settings
+        return Fleet(self.redis, s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
+
+    def session(self) -> Session:
+        return Session(make_engine(self.settings.database_url))
+
+    def gateway(self) -> Gateway:
+        s = self.settings
+        return Gateway(s, self.redis, RequestPublisher(s.broker_url, s.request_queue, 4), f"cli-{uuid.uuid4().hex}")
+
+
+pass_admin = click.make_pass_decorator(Admin)
+
+
+def fail(message: str) -> None:
+    raise click.ClickException(message)
+
+
+@click.group()
+@click.option("--namespace", envvar="LLMB_NAMESPACE", help="Queue and key prefix [LLMB_NAMESPACE].")
+@click.option("--redis-url", envvar="LLMB_REDIS_URL", help="[LLMB_REDIS_URL]")
+@click.option("--broker-url", envvar="LLMB_BROKER_URL", help="[LLMB_BROKER_URL]")
+@click.option("--database-url", envvar="LLMB_DATABASE_URL", help="[LLMB_DATABASE_URL]")
+@click.pass_context
+def cli(ctx: click.Context, **options: str | None) -> None:
+    """Operate an llm-batcher system: its fleet, its queues, its ledger."""
+    ctx.obj = Admin(Settings.from_env(**{k: v for k, v in options.items() if v}))
+
+
+# -- fleet and stats ------------------------------------------------------------------------------------
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_admin
+def workers(admin: Admin, as_json: bool) -> None:
+    """The fleet, from heartbeats: state, backlog and speed of every GPU worker."""
+    try:
+        fleet = admin.fleet()
+        now = time.time()
+        rows = sorted(fleet.all(), key=lambda w: w.id)
+    except redis.RedisError as exc:
+        fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
+    if as_json:
+        click.echo(json.dumps([{**w.__dict__, "live": now - w.heartbeat_at <= fleet.stale_after_s}
+                               for w in rows], indent=2))
+        return
+    if not rows:
+        click.echo("no GPU worker has sent a heartbeat (start one with `gpu-worker --gpu 0`)")
+        return
+    click.echo(f"{'WORKER':<28} {'MODEL':<12} {'STATE':<6} {'QUEUED':>6} {'FREE IN':>9} {'BATCH':>9} "
+               f"{'DONE':>7} {'SEEN':>6}  QUEUE")
+    for w in rows:
+        age = now - w.heartbeat_at
+        state = w.state if age <= fleet.stale_after_s else "STALE"
+        click.echo(f"{w.id:<28} {w.model:<12} {state:<6} {w.outstanding:>6} {w.free_in_ms:>7.0f}ms "
+                   f"{w.batch_ms_estimate:>7.0f}ms {w.completed:>7} {age:>5.1f}s  {w.queue}")
+
+
+@cli.command()
+@click.option("--interval", default=2.0, show_default=True, type=click.FloatRange(min=0.1),
+              help="Seconds between the two samples that rates are computed from.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_admin
+def stats(admin: Admin, interval: float, as_json: bool) -> None:
+    """Queue depth, age of the oldest waiting request, batches per second and how full they are."""
+    s = admin.settings
+    keys = [s.key("stats", "items_done"), s.key("stats", "batches_done"), s.key("stats", "ledger_dropped")]
+    try:
+        before = [int(v or 0) for v in admin.redis.mget(keys)]
+        time.sleep(interval)
+        after = [int(v or 0) for v in admin.redis.mget(keys)]
+        now = time.time()
+        in_flight = int(admin.redis.zcount(s.key("inflight"), now, "+inf"))
+        oldest = admin.redis.zrange(s.key("inflight") + ":arrivals", 0, 0, withscores=True)
+        quarantined = int(admin.redis.scard(s.key("quarantine")))
+        live = len(admin.fleet().live(now))
+    except redis.RedisError as exc:
+        fail(f"cannot reach Redis at {s.redis_url}: {exc}")
+    try:
+        publisher = RequestPublisher(s.broker_url, s.request_queue, 1)
+        with publisher.pool.acquire(block=True, timeout=5) as conn:
+            _, queued, _ = conn.default_channel.queue_declare(s.request_queue, passive=True)
+    except Exception as exc:
+        queued = None
+        click.echo(f"warning: cannot read the request queue from RabbitMQ: {exc}", err=True)
+    items, batches = after[0] - before[0], after[1] - before[1]
+    report: dict[str, Any] = {
+        "queue_depth": queued,
+        "in_flight": in_flight,
+        "oldest_waiting_s": round(now - float(oldest[0][1]), 3) if oldest else 0.0,
+        "batches_per_s": round(batches / interval, 2),
+        "items_per_s": round(items / interval, 2),
+        "fill_ratio": round(items / (batches * s.max_batch_size), 3) if batches else None,
+        "live_workers": live,
+        "quarantined_inputs": quarantined,
+        "ledger_records_dropped": after[2],
+    }
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+        return
+    for key, value in report.items():
+        click.echo(f"{key.replace('_', ' '):<24} {'-' if value is None else value}")
+
+
+# -- running stored requests again ----------------------------------------------------------------------
+def _submit(gateway: Gateway, record: RequestRecord, timeout_ms: int) -> tuple[str, Any]:
+    call = Call(request_id=f"replay-{record.id}", tenant=record.tenant, model=record.model,
+                inputs=(record.input or "",), timeout_ms=timeout_ms)
+    try:
+        return "ok", gateway.submit(call).results[0].output
+    except BatchingError as exc:
+        return exc.type, exc.message
+
+
+def _need_inputs(records: list[RequestRecord]) -> list[RequestRecord]:
+    missing = [r.id for r in records if r.input is None]
+    if missing:
+        fail(f"{len(missing)} of these requests have no stored input (the ledger keeps inputs only with "
+             "LLMB_STORE_INPUTS=true), e.g. " + ", ".join(missing[:3]))
+    return records
+
+
+@cli.command()
+@click.argument("ident")
+@click.option("--timeout-ms", default=30_000, show_default=True, type=click.IntRange(min=1))
+@pass_admin
+def requeue(admin: Admin, ident: str, timeout_ms: int) -> None:
+    """Run a batch (all of its requests) or one request again, by id, and print the outcomes."""
+    with admin.session() as session:
+        record = session.get(RequestRecord, ident)
+        if record is not None:
+            records = [record]
+        else:
+            if session.get(BatchRecord, ident) is None:
+                fail(f"no batch or request with id {ident!r} in the ledger at {admin.settings.database_url}")
+            records = list(session.scalars(select(RequestRecord).join(
+                BatchRequest, BatchRequest.request_id == RequestRecord.id).where(BatchRequest.batch_id == ident)))
+        _need_inputs(records)
+    gateway = admin.gateway()
+    with ThreadPoolExecutor(max_workers=min(len(records), 100) or 1) as pool:
+        outcomes = list(pool.map(lambda r: _submit(gateway, r, timeout_ms), records))
+    for record, (status, detail) in zip(records, outcomes):
+        click.echo(f"{record.id}  {status}  {json.dumps(detail)}")
+    if any(status != "ok" for status, _ in outcomes):
+        sys.exit(1)
+
+
+def _parse_time(value: str | None) -> datetime | None:
+    if value is None:
+        return None
+    try:
+        parsed = datetime.fromisoformat(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an ISO time such as 2026-11-29T10:00") from None
+    return parsed if parsed.tzinfo else parsed.replace(tzinfo=timezone.utc)
+
+
+@cli.command()
+@click.option("--status", help="Only requests with this final status (ok, poison, expired, exhausted, retrying).")
+@click.option("--since", help="Accepted at or after this ISO time (UTC unless it says otherwise).")
+@click.option("--until", help="Accepted before this ISO time.")
+@click.option("--tenant", help="Only this tenant's requests.")
+@click.option("--model", help="Only requests for this model.")
+@click.option("--limit", default=10_000, show_default=True, type=click.IntRange(min=1))
+@click.option("--concurrency", default=32, show_default=True, type=click.IntRange(1, 1000))
+@click.option("--timeout-ms", default=30_000, show_default=True, type=click.IntRange(min=1))
+@click.option("--dry-run", is_flag=True, help="Only say what would be sent.")
+@pass_admin
+def replay(admin: Admin, status: str | None, since: str | None, until: str | None, tenant: str | None,
+           model: str | None, limit: int, concurrency: int, timeout_ms: int, dry_run: bool) -> None:
+    """Send stored requests through the system again (their inputs must have been stored)."""
+    query = select(RequestRecord).order_by(RequestRecord.accepted_at).limit(limit)
+    for column, value in ((RequestRecord.status, status), (RequestRecord.tenant, tenant),
+                          (RequestRecord.model, model)):
+        if value:
+            query = query.where(column == value)
+    if (start := _parse_time(since)) is not None:
+        query = query.where(RequestRecord.accepted_at >= start)
+    if (end := _parse_time(until)) is not None:
+        query = query.where(RequestRecord.accepted_at < end)
+    with admin.session() as session:
+        records = list(session.scalars(query))
+    if not records:
+        click.echo("no stored request matches")
+        return
+    _need_inputs(records)
+    if dry_run:
+        click.echo(f"would replay {len(records)} request(s), from {records[0].accepted_at} to "
+                   f"{records[-1].accepted_at}")
+        return
+    gateway = admin.gateway()
+    counts: dict[str, int] = {}
+    with ThreadPoolExecutor(max_workers=concurrency) as pool, \
+            click.progressbar(length=len(records), label="replaying", file=sys.stderr) as bar:
+        for status_, _ in pool.map(lambda r: _submit(gateway, r, timeout_ms), records):
+            counts[status_] = counts.get(status_, 0) + 1
+            bar.update(1)
+    click.echo("replayed " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
+    if set(counts) - {"ok"}:
+        sys.exit(1)
+
+
+# -- quarantine -----------------------------------------------------------------------------------------
+@cli.group()
+def quarantine() -> None:
+    """Inputs that failed alone and are refused until released."""
+
+
+@quarantine.command("list")
+@click.option("--json", "as_json", is_flag=True)
+@pass_admin
+def quarantine_list(admin: Admin, as_json: bool) -> None:
+    """Every quarantined input: hash, model, when, why."""
+    try:
+        entries = Quarantine(admin.redis, admin.settings.key("quarantine")).list()
+    except redis.RedisError as exc:
+        fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
+    if as_json:
+        click.echo(json.dumps(entries, indent=2))
+        return
+    if not entries:
+        click.echo("no input is quarantined")
+    for e in entries:
+        since = datetime.fromtimestamp(e["since"], tz=timezone.utc).isoformat(timespec="seconds")
+        click.echo(f"{e['hash']}  {e['model']}  {since}  batch {e['batch_id']}  request {e['request_id']}\n"
+                   f"    {e['reason']}")
+
+
+@quarantine.command("release")
+@click.argument("digest")
+@pass_admin
+def quarantine_release(admin: Admin, digest: str) -> None:
+    """Accept this input again."""
+    try:
+        released = Quarantine(admin.redis, admin.settings.key("quarantine")).release(digest)
+    except redis.RedisError as exc:
+        fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
+    if not released:
+        fail(f"{digest} is not quarantined (see `llmb-admin quarantine list`)")
+    try:
+        Ledger(make_engine(admin.settings.database_url)).write(Released(digest))
+    except Exception as exc:  # the release itself took effect; the record is secondary
+        click.echo(f"warning: released, but the ledger could not record it: {exc}", err=True)
+    click.echo(f"released {digest}")
+
+
+# -- database -------------------------------------------------------------------------------------------
+@cli.group()
+def db() -> None:
+    """The ledger's schema (Alembic migrations)."""
+
+
+def _alembic(admin: Admin) -> Any:
+    from alembic.config import Config
+
+    config = Config(str(MIGRATIONS / "alembic.ini"))
+    config.set_main_option("sqlalchemy.url", admin.settings.database_url.replace("%", "%%"))
+    return config
+
+
+@db.command()
+@click.option("--revision", default="head", show_default=True)
+@pass_admin
+def upgrade(admin: Admin, revision: str) -> None:
+    """Create or upgrade the ledger's tables."""
+    from alembic import command
+
+    command.upgrade(_alembic(admin), revision)
+    click.echo(f"database at {admin.settings.database_url} is at {revision}")
+
+
+@db.command()
+@click.argument("revision")
+@pass_admin
+def downgrade(admin: Admin, revision: str) -> None:
+    """Go back to an older schema revision ("base" removes every table)."""
+    from alembic import command
+
+    command.downgrade(_alembic(admin), revision)
+    click.echo(f"database at {admin.settings.database_url} is at {revision}")
+
+
+def main() -> None:
+    cli(prog_name="llmb-admin")
+
+
+if __name__ == "__main__":
+    main()
