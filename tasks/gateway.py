@@ -85,11 +85,6 @@ class Gateway:
         started = time.monotonic()
         accepted_at = time.time()
         deadline_mono = started + call.timeout_ms / 1000
-        models = self.live_models()
-        if call.model not in models:
-            served = ", ".join(sorted(models)) or "none"
-            raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
-
         items = tuple(Item(id=uuid.uuid4().hex, input=text) for text in call.inputs)
         ids = [i.id for i in items]
         request = InferenceRequest(
@@ -110,6 +105,10 @@ class Gateway:
                 retry_after_s=self.settings.retry_after_s,
             )
         try:
+            models = self.live_models()
+            if call.model not in models:
+                served = ", ".join(sorted(models)) or "none"
+                raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
             self.listener.start()
             try:
                 self.publisher.publish(request)
