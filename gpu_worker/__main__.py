@@ -81,7 +81,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         give_back=GiveBack(app, settings.recovery_queue, worker_id),
         record=ledger.record,
     )
-    fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_interval_s * settings.heartbeat_stale_factor)
+    fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
                                             fleet, state, settings)
     app.steps["worker"].add(HeartbeatStep)

@@ -131,7 +131,8 @@ class BatchRunner:
         results = [ItemResult(output=o, batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
                               started_at=started_at, run_ms=round(run_ms, 3)) for o in outputs]
         self._write(list(zip(live, results)), batch.id)
-        self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(), round(run_ms, 3)))
+        self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(),
+                                 round(run_ms, 3)))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
                  extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
         return {**summary, "run_ms": round(run_ms, 1)}

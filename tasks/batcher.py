@@ -22,8 +22,8 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tasks.flush import BatchBuffer, FlushPolicy, Pending
 from tasks.fleet import WorkerInfo
+from tasks.flush import BatchBuffer, FlushPolicy, Pending
 from tasks.isolation import Plan, plan
 from tasks.scheduler import Scheduler
 from tasks.schema import Batch, BatchItem, Failure, InferenceRequest

@@ -22,7 +22,7 @@ from tasks.config import Settings
 from tasks.errors import BatchingError
 from tasks.fleet import Fleet
 from tasks.gateway import Call, Gateway
-from tasks.ledger import BatchRecord, BatchRequest, Ledger, RequestRecord, Released, make_engine
+from tasks.ledger import BatchRecord, BatchRequest, Ledger, Released, RequestRecord, make_engine
 from tasks.quarantine import Quarantine
 from tasks.queues import RequestPublisher
 
@@ -44,7 +44,7 @@ class Admin:
 
     def fleet(self) -> Fleet:
         s = self.settings
-        return Fleet(self.redis, s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
+        return Fleet(self.redis, s.key("fleet"), s.heartbeat_stale_s)
 
     def session(self) -> Session:
         return Session(make_engine(self.settings.database_url))
@@ -69,7 +69,7 @@ def fail(message: str) -> None:
 @click.pass_context
 def cli(ctx: click.Context, **options: str | None) -> None:
     """Operate an llm-batcher system: its fleet, its queues, its ledger."""
-    ctx.obj = Admin(Settings.from_env(**{k: v for k, v in options.items() if v}))
+    ctx.obj = Admin(Settings.from_env(overrides={k: v for k, v in options.items() if v}))
 
 
 # -- fleet and stats ------------------------------------------------------------------------------------

@@ -58,20 +58,21 @@ class Settings:
     log_json: bool = False
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: object) -> "Settings":
-        """Build settings from ``LLMB_*`` variables; ``overrides`` win over the environment."""
+    def from_env(cls, environ: Mapping[str, str] | None = None,
+                 overrides: Mapping[str, object] | None = None) -> "Settings":
+        """Build settings from ``LLMB_*`` variables; ``overrides`` (by field name) win over the environment."""
         env = os.environ if environ is None else environ
         values: dict[str, object] = {}
         for f in fields(cls):
             raw = env.get(PREFIX + f.name.upper())
             if raw is None:
                 continue
-            kind = type(f.default)
+            kind: type = type(f.default)
             try:
                 values[f.name] = kind(raw) if kind is not bool else raw.lower() in ("1", "true", "yes")
             except ValueError:
                 raise ValueError(f"{PREFIX}{f.name.upper()}={raw!r} is not a valid {kind.__name__}") from None
-        values.update(overrides)
+        values.update(overrides or {})
         return cls(**values)  # type: ignore[arg-type]
 
     # Names derived from the namespace, so every component agrees on them.
@@ -87,6 +88,11 @@ class Settings:
     def batcher_queue(self) -> str:
         """Celery's own queue for the batcher worker (control only: requests arrive on request_queue)."""
         return f"{self.namespace}.batcher"
+
+    @property
+    def heartbeat_stale_s(self) -> float:
+        """A worker whose last heartbeat is older than this has left the pool."""
+        return self.heartbeat_interval_s * self.heartbeat_stale_factor
 
     def gpu_queue(self, host: str, device: int | str) -> str:
         return f"{self.namespace}.gpu.{host}.{device}"

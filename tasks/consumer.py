@@ -22,12 +22,12 @@ from kombu import Consumer, Message, Queue
 
 from tasks.batcher import Batcher
 from tasks.celery_app import RUN_BATCH, make_celery, settings_of
+from tasks.claims import Claims
 from tasks.config import Settings
 from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
 from tasks.flush import FlushPolicy
-from tasks.logs import setup_logging
-from tasks.claims import Claims
 from tasks.ledger import ItemsOutcome, Ledger, LedgerWriter, make_engine
+from tasks.logs import setup_logging
 from tasks.quarantine import Quarantine
 from tasks.queues import RETRY_POLICY, recovery_queue, request_queue
 from tasks.recovery import Recovery
@@ -46,7 +46,7 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.settings = settings_of(c.app)
         s = self.settings
         client = redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2)
-        self.fleet = Fleet(client, s.key("fleet"), s.heartbeat_interval_s * s.heartbeat_stale_factor)
+        self.fleet = Fleet(client, s.key("fleet"), s.heartbeat_stale_s)
         self.ledger = LedgerWriter(Ledger(make_engine(s.database_url), s.store_inputs), max_buffer=s.ledger_buffer,
                                    on_drop=lambda n: client.incrby(s.key("stats", "ledger_dropped"), n))
         self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000), self._dispatch,

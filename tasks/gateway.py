@@ -16,8 +16,15 @@ from kombu.exceptions import KombuError
 
 from tasks.admission import Admission, Verdict
 from tasks.config import Settings
-from tasks.errors import (BatchingError, DeadlineExceeded, InferenceFailed, PoisonInput, QueueFull,
-                          RetriesExhausted, Unavailable)
+from tasks.errors import (
+    BatchingError,
+    DeadlineExceeded,
+    InferenceFailed,
+    PoisonInput,
+    QueueFull,
+    RetriesExhausted,
+    Unavailable,
+)
 from tasks.fleet import Fleet
 from tasks.queues import RequestPublisher
 from tasks.results import ResultListener
@@ -62,7 +69,7 @@ class Gateway:
         self.reply_to = settings.key("replies", instance_id)
         self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
                                    settings.key("quarantine"))
-        self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_interval_s * settings.heartbeat_stale_factor)
+        self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
         self.listener = ResultListener(
             client, self.reply_to, lambda item_id: settings.key("result", item_id), settings.result_recheck_ms / 1000
         )
@@ -98,7 +105,8 @@ class Gateway:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         if verdict is Verdict.QUARANTINED:
             raise PoisonInput(f"input {hashes.index(bad_hash or '')} is quarantined (hash {bad_hash}): it failed "
-                              f"alone before; an operator can release it with `llmb-admin quarantine release {bad_hash}`")
+                              "alone before; an operator can release it with "
+                              f"`llmb-admin quarantine release {bad_hash}`")
         if verdict is Verdict.FULL:
             raise QueueFull(
                 f"the service is at its admission cap ({self.settings.admission_cap} items in flight); retry later",

@@ -220,7 +220,7 @@ class Ledger:
         if session.get_bind().dialect.name == "postgresql":
             from sqlalchemy.dialects.postgresql import insert
         else:
-            from sqlalchemy.dialects.sqlite import insert
+            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
         keys = (key,) if isinstance(key, str) else key
         stmt = insert(model).values(rows)
         if update:
@@ -242,7 +242,7 @@ class LedgerWriter:
 
     ledger: Ledger
     max_buffer: int = 10_000
-    on_drop: Callable[[int], None] = lambda n: None
+    on_drop: Callable[[int], object] = lambda n: None
     retry_s: float = 2.0
     _queue: queue.Queue[LedgerEvent | None] = field(init=False)
     _thread: threading.Thread = field(init=False)

@@ -31,8 +31,8 @@ from tasks.claims import Claims
 from tasks.errors import PoisonInput, RetriesExhausted
 from tasks.fleet import Fleet, WorkerInfo
 from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent, Quarantined
-from tasks.queues import RETRY_POLICY, recovery_queue
 from tasks.quarantine import Quarantine
+from tasks.queues import RETRY_POLICY, recovery_queue
 from tasks.results import ResultWriter
 from tasks.schema import Batch, BatchItem, Failure, ItemResult, input_hash
 
@@ -119,9 +119,9 @@ class Recovery:
             channel = conn.channel()
             try:
                 while (message := channel.basic_get(worker.queue, no_ack=False)) is not None:
-                    batch = _batch_of(message.body)
-                    if batch is not None:
-                        send_back(batch)
+                    queued = _batch_of(message.body)
+                    if queued is not None:
+                        send_back(queued)
                     channel.basic_ack(message.delivery_tag)
             except Exception as exc:  # a queue that is gone has nothing to drain
                 log.debug("draining %s stopped: %s", worker.queue, exc)

@@ -57,7 +57,8 @@ class Stack:
         done = subprocess.run([str(BIN / "llmb-admin"), *args], cwd=ROOT, env=self.env, capture_output=True,
                               text=True, timeout=120)
         if check and done.returncode != 0:
-            raise AssertionError(f"llmb-admin {' '.join(args)} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
+            raise AssertionError(f"llmb-admin {' '.join(args)} failed ({done.returncode}):\n"
+                                 f"{done.stdout}\n{done.stderr}")
         return done
 
     def fleet(self) -> dict[str, dict[str, object]]:

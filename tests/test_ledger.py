@@ -12,8 +12,19 @@ import pytest
 from sqlalchemy import inspect, select
 from sqlalchemy.orm import Session
 
-from tasks.ledger import (BatchOutcome, BatchRecord, BatchRequest, ItemsOutcome, Ledger, LedgerWriter,
-                          QuarantineRecord, Quarantined, Released, RequestRecord, make_engine)
+from tasks.ledger import (
+    BatchOutcome,
+    BatchRecord,
+    BatchRequest,
+    ItemsOutcome,
+    Ledger,
+    LedgerWriter,
+    Quarantined,
+    QuarantineRecord,
+    Released,
+    RequestRecord,
+    make_engine,
+)
 from tasks.schema import Batch, BatchItem
 from tests.stack import BIN, ROOT
 
@@ -63,7 +74,8 @@ def test_one_transaction_per_batch_records_the_split_tree(database_url: str) -> 
     admin(database_url, "db", "upgrade")
     ledger = Ledger(make_engine(database_url), store_inputs=True)
     root = Batch(id="root", model="sim", items=items(4), created_at=time.time())
-    left, right = root.derive("left", root.items[:2], now=time.time()), root.derive("right", root.items[2:], now=time.time())
+    left = root.derive("left", root.items[:2], now=time.time())
+    right = root.derive("right", root.items[2:], now=time.time())
     ledger.write(BatchOutcome(right, "ok", "ok", "gpu1@h", None, time.time(), time.time(), 250.0))
     ledger.write(BatchOutcome(root, "raised", "retrying", "gpu0@h", "boom", time.time(), time.time(), 10.0))
     ledger.write(BatchOutcome(left, "raised", "retrying", "gpu2@h", "boom", time.time(), time.time(), 10.0))

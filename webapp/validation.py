@@ -41,7 +41,8 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
         inputs = tuple(raw)
 
     timeout_ms = body.get("timeout_ms", settings.default_timeout_ms)
-    if isinstance(timeout_ms, bool) or not isinstance(timeout_ms, (int, float)) or not 0 < timeout_ms <= settings.max_timeout_ms:
+    is_number = isinstance(timeout_ms, (int, float)) and not isinstance(timeout_ms, bool)
+    if not is_number or not 0 < timeout_ms <= settings.max_timeout_ms:
         raise InvalidInput(f"'timeout_ms' must be a number in (0, {settings.max_timeout_ms}]")
 
     model = body.get("model", settings.default_model)

@@ -1,14 +1,13 @@
 """ledger: requests, batches, batch_requests, quarantined_inputs
 
 Revision ID: 0001
-Revises: 
+Revises:
 Create Date: 2026-11-29
 """
 from __future__ import annotations
 
-from alembic import op
 import sqlalchemy as sa
-
+from alembic import op
 
 revision = '0001'
 down_revision = None
