@@ -7,6 +7,7 @@ they are dropped, counted and logged. Serving never waits for the database.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -16,7 +17,20 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
-from sqlalchemy import DateTime, Float, ForeignKey, Integer, String, Text, case, create_engine, event
+from sqlalchemy import (
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Table,
+    Text,
+    case,
+    create_engine,
+    event,
+    literal_column,
+    or_,
+)
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
@@ -209,31 +223,37 @@ class Ledger:
     @staticmethod
     def _upsert(session: Session, model: type[Base], rows: list[dict[str, Any]], key: str | tuple[str, ...],
                 update: bool = True, keep_final_status: bool = False) -> None:
-        """INSERT ... ON CONFLICT, in the dialect at hand (SQLite or PostgreSQL).
+        """INSERT ... ON CONFLICT for many rows in one executemany, in the dialect at hand.
 
         Records come from several processes in no guaranteed order; with ``keep_final_status`` a request
         that already reached a final status keeps it (a late "retrying" from a parent batch must not undo
         the "ok" of the half that succeeded).
         """
-        if not rows:
-            return
-        if session.get_bind().dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert
-        else:
-            from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
-        keys = (key,) if isinstance(key, str) else key
-        stmt = insert(model).values(rows)
-        if update:
-            columns: dict[str, Any] = {c: stmt.excluded[c] for c in rows[0] if c not in keys and c != "accepted_at"}
-            if keep_final_status:
-                current = model.__table__.c
-                final = current.status.in_(FINAL_STATUSES)
-                for c in ("status", "error", "batch_id", "finished_at", "queued_ms", "run_ms"):
-                    columns[c] = case((final, current[c]), else_=stmt.excluded[c])
-            stmt = stmt.on_conflict_do_update(index_elements=list(keys), set_=columns)
-        else:
-            stmt = stmt.on_conflict_do_nothing(index_elements=list(keys))
-        session.execute(stmt)
+        if rows:
+            dialect = session.get_bind().dialect.name
+            keys = (key,) if isinstance(key, str) else key
+            stmt = _upsert_statement(model.__table__, dialect, keys, update, keep_final_status)  # type: ignore[arg-type]
+            session.execute(stmt, rows)
+
+
+@functools.cache
+def _upsert_statement(table: Table, dialect: str, keys: tuple[str, ...], update: bool, keep_final: bool) -> Any:
+    """Built once per shape, so SQLAlchemy compiles it once: per-batch writes stay cheap."""
+    if dialect == "postgresql":
+        from sqlalchemy.dialects.postgresql import insert
+    else:
+        from sqlalchemy.dialects.sqlite import insert  # type: ignore[assignment]
+    stmt = insert(table)
+    if not update:
+        return stmt.on_conflict_do_nothing(index_elements=list(keys))
+    columns: dict[str, Any] = {c.name: stmt.excluded[c.name] for c in table.columns
+                               if c.name not in keys and c.name != "accepted_at"}
+    if keep_final:
+        # literal values, not an IN (...) parameter list: executemany() cannot expand one
+        final = or_(*(table.c.status == literal_column(f"'{status}'") for status in FINAL_STATUSES))
+        for c in ("status", "error", "batch_id", "finished_at", "queued_ms", "run_ms"):
+            columns[c] = case((final, table.c[c]), else_=stmt.excluded[c])
+    return stmt.on_conflict_do_update(index_elements=list(keys), set_=columns)
 
 
 @dataclass

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 
 from kombu import Connection, Queue
+from kombu.pools import ProducerPool
 
 from tasks.schema import InferenceRequest
 
@@ -38,13 +39,13 @@ class RequestPublisher:
             broker_url, connect_timeout=2, transport_options={"confirm_publish": True}
         )
         self.pool = self.connection.Pool(limit=pool_size)
+        self.producers = ProducerPool(self.pool, limit=pool_size)
 
     def publish(self, request: InferenceRequest) -> None:
         """Publish and wait for the broker's confirm; raises kombu/amqp/OS errors if it cannot."""
         ttl_s = max(request.deadline - request.accepted_at, 0.001)
-        with self.pool.acquire(block=True, timeout=5) as conn:
-            producer = conn.Producer()
-            conn.ensure(producer, producer.publish, **RETRY_POLICY)(
+        with self.producers.acquire(block=True, timeout=5) as producer:
+            producer.connection.ensure(producer, producer.publish, **RETRY_POLICY)(
                 json.dumps(request.to_dict()),
                 exchange="",
                 routing_key=self.queue.name,
@@ -63,4 +64,5 @@ class RequestPublisher:
             conn.ensure_connection(max_retries=1)
 
     def close(self) -> None:
+        self.producers.force_close_all()
         self.pool.force_close_all()
