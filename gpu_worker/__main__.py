@@ -52,6 +52,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from tasks.fleet import Fleet
     from tasks.ledger import Ledger, LedgerWriter, make_engine
     from tasks.logs import setup_logging
+    from tasks.metrics import observe_batch
     from tasks.results import ResultWriter
     from tasks.schema import Batch
 
@@ -80,6 +81,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         claims=Claims(client, settings.key("claim")),
         give_back=GiveBack(app, settings.recovery_queue, worker_id),
         record=ledger.record,
+        observe=lambda pipe, size, run_s: observe_batch(pipe, settings, size, run_s),
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,

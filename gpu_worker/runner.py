@@ -63,7 +63,8 @@ class WorkerState:
 class BatchRunner:
     def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState, *,
                  announce: Callable[[BatchEvent], None], claims: Claims, give_back: GiveBack,
-                 record: Callable[[LedgerEvent], None]) -> None:
+                 record: Callable[[LedgerEvent], None],
+                 observe: Callable[[Any, int, float], None] = lambda pipe, size, run_s: None) -> None:
         self.backend = backend
         self.writer = writer
         self.worker_id = worker_id
@@ -72,6 +73,7 @@ class BatchRunner:
         self.claims = claims
         self.give_back = give_back
         self.record = record
+        self.observe = observe  # adds a batch to the metrics, inside the results pipeline
 
     def run(self, batch: Batch) -> dict[str, Any]:
         """Run the batch and write its results; the batchers hear when it starts and when it is done."""
@@ -130,7 +132,7 @@ class BatchRunner:
         self.state.finished(run_ms)
         results = [ItemResult(output=o, batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
                               started_at=started_at, run_ms=round(run_ms, 3)) for o in outputs]
-        self._write(list(zip(live, results)), batch.id)
+        self._write(list(zip(live, results)), batch.id, lambda pipe: self.observe(pipe, len(live), run_ms / 1000))
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(),
                                  round(run_ms, 3)))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
@@ -147,10 +149,11 @@ class BatchRunner:
             raise Reject(f"could not hand the batch back: {exc}", requeue=True) from exc
         self.claims.give_back(batch.id)
 
-    def _write(self, pairs: list[tuple[Any, ItemResult]], batch_id: str, attempts: int = 3) -> None:
+    def _write(self, pairs: list[tuple[Any, ItemResult]], batch_id: str, extra: Callable[[Any], None],
+               attempts: int = 3) -> None:
         for attempt in range(1, attempts + 1):
             try:
-                self.writer.write(pairs, done_key=self.claims.key(batch_id))
+                self.writer.write(pairs, done_key=self.claims.key(batch_id), extra=extra)
                 return
             except redis.RedisError as exc:
                 if attempt == attempts:

@@ -1,4 +1,7 @@
-"""Admission at the door, shared by every API process through Redis: quarantine check and global cap.
+"""Admission at the door, shared by every API process through Redis: quarantine check and cap.
+
+The cap is the configured one, or less when the fleet could not answer a new request within its deadline
+(:func:`deadline_cap`): refusing at once beats letting the caller wait to time out.
 
 Members of one sorted set are the ids of admitted, unanswered items, scored by their deadline; a second
 sorted set holds the same ids scored by arrival time (for the age of the oldest waiting request). Admission
@@ -12,6 +15,8 @@ from collections.abc import Sequence
 from enum import StrEnum
 
 import redis
+
+from tasks.fleet import WorkerInfo
 
 # KEYS: inflight (by deadline), arrivals (by arrival), quarantine set
 # ARGV: now, cap, deadline, n_items, item ids..., input hashes...
@@ -36,6 +41,21 @@ return 'ok'
 """
 
 
+def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int) -> int:
+    """How many items may be in flight for a new request to still be answered within ``timeout_s``.
+
+    The fleet's throughput (batch size over measured batch time, summed over live workers) times the time
+    the caller is willing to wait; never less than one full batch per worker, never more than the
+    configured cap. A request beyond it would only wait to time out, so it is refused at once instead.
+    """
+    timed = [w for w in workers if w.batch_ms_estimate > 0]
+    if not timed:
+        return configured
+    throughput = sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in timed)
+    floor = sum(w.max_batch for w in workers)
+    return min(configured, max(floor, int(throughput * timeout_s)))
+
+
 class Verdict(StrEnum):
     OK = "ok"
     FULL = "full"
@@ -51,11 +71,12 @@ class Admission:
         self.cap = cap
         self._admit = client.register_script(_ADMIT)
 
-    def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, now: float,
-                  deadline: float) -> tuple[Verdict, str | None]:
-        """Admit all items or none. Returns the verdict and, when quarantined, the offending input hash."""
+    def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, now: float, deadline: float,
+                  cap: int | None = None) -> tuple[Verdict, str | None]:
+        """Admit all items or none, under ``cap`` (default: the configured one). Returns the verdict and,
+        when quarantined, the offending input hash."""
         raw = self._admit(keys=[self.key, self.arrivals_key, self.quarantine_key],
-                          args=[now, self.cap, deadline, len(item_ids), *item_ids, *hashes])
+                          args=[now, self.cap if cap is None else cap, deadline, len(item_ids), *item_ids, *hashes])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         if text.startswith("quarantined:"):
             return Verdict.QUARANTINED, text.split(":", 1)[1]

@@ -115,7 +115,7 @@ DOCS: dict[str, str] = {
     "max_batch_size": "A batch is flushed as soon as it holds this many items.",
     "max_wait_ms": "...or when its first item has waited this long.",
     "batcher_prefetch": "Request messages the batcher may hold unacknowledged (its buffer bound).",
-    "admission_cap": "Items admitted and not yet answered, across all API processes; over it: 429.",
+    "admission_cap": "Most items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.",
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",

@@ -56,7 +56,8 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.recovery = Recovery(
             self.batcher, self.fleet, Claims(client, s.key("claim")), Quarantine(client, s.key("quarantine")),
             ResultWriter(client, lambda item_id: s.key("result", item_id), s.result_ttl_s), self.ledger.record,
-            lambda: self.app.pool.acquire(block=True, timeout=10), s.recovery_queue)
+            lambda: self.app.pool.acquire(block=True, timeout=10), s.recovery_queue,
+            on_poison=lambda: client.incr(s.key("stats", "poison_inputs")))
         self._workers: list[WorkerInfo] = []
         self._workers_at = 0.0
         self._timer: Any = None

@@ -14,7 +14,7 @@ import redis
 from amqp.exceptions import AMQPError
 from kombu.exceptions import KombuError
 
-from tasks.admission import Admission, Verdict
+from tasks.admission import Admission, Verdict, deadline_cap
 from tasks.config import Settings
 from tasks.errors import (
     BatchingError,
@@ -25,7 +25,7 @@ from tasks.errors import (
     RetriesExhausted,
     Unavailable,
 )
-from tasks.fleet import Fleet
+from tasks.fleet import Fleet, WorkerInfo
 from tasks.queues import RequestPublisher
 from tasks.results import ResultListener
 from tasks.schema import InferenceRequest, Item, ItemResult, input_hash
@@ -73,19 +73,25 @@ class Gateway:
         self.listener = ResultListener(
             client, self.reply_to, lambda item_id: settings.key("result", item_id), settings.result_recheck_ms / 1000
         )
-        self._models: set[str] = set()
-        self._models_checked = 0.0
+        self._workers: list[WorkerInfo] = []
+        self._workers_checked = 0.0
 
-    def live_models(self) -> set[str]:
-        """Models served by at least one live worker; cached for half a heartbeat interval."""
+    def live_workers(self) -> list[WorkerInfo]:
+        """The live fleet; cached for half a heartbeat interval."""
         now = time.monotonic()
-        if now - self._models_checked > self.settings.heartbeat_interval_s / 2:
+        if now - self._workers_checked > self.settings.heartbeat_interval_s / 2:
             try:
-                self._models = {w.model for w in self.fleet.live(time.time())}
+                self._workers = self.fleet.live(time.time())
             except redis.RedisError as exc:
                 raise Unavailable(f"Redis is unreachable: {exc}") from None
-            self._models_checked = now
-        return self._models
+            self._workers_checked = now
+        return self._workers
+
+    def live_models(self) -> set[str]:
+        return {w.model for w in self.live_workers()}
+
+    def cap_for(self, timeout_s: float) -> int:
+        return deadline_cap(self.live_workers(), timeout_s, self.settings.admission_cap)
 
     def submit(self, call: Call) -> Answer:
         """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure."""
@@ -100,7 +106,8 @@ class Gateway:
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
         try:
-            verdict, bad_hash = self.admission.try_admit(ids, hashes, now=accepted_at, deadline=request.deadline)
+            verdict, bad_hash = self.admission.try_admit(ids, hashes, now=accepted_at, deadline=request.deadline,
+                                                         cap=self.cap_for(call.timeout_ms / 1000))
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         if verdict is Verdict.QUARANTINED:
@@ -109,7 +116,7 @@ class Gateway:
                               f"`llmb-admin quarantine release {bad_hash}`")
         if verdict is Verdict.FULL:
             raise QueueFull(
-                f"the service is at its admission cap ({self.settings.admission_cap} items in flight); retry later",
+                "the service is full: no room to answer this request within its deadline; retry later",
                 retry_after_s=self.settings.retry_after_s,
             )
         try:

@@ -58,6 +58,12 @@ class RequestPublisher:
                 headers={"tenant": request.tenant, "model": request.model},
             )
 
+    def queue_depth(self) -> int:
+        """Requests waiting in RabbitMQ (not yet delivered to a batcher)."""
+        with self.pool.acquire(block=True, timeout=5) as conn:
+            _, count, _ = conn.default_channel.queue_declare(self.queue.name, passive=True)
+            return int(count)
+
     def ping(self) -> None:
         """Raise if RabbitMQ cannot be reached."""
         with self.pool.acquire(block=True, timeout=5) as conn:

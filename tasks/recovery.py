@@ -44,7 +44,8 @@ LOST = "lost"
 class Recovery:
     def __init__(self, batcher: Batcher, fleet: Fleet, claims: Claims, quarantine: Quarantine,
                  writer: ResultWriter, record: Callable[[LedgerEvent], None],
-                 connection: Callable[[], Connection], queue_name: str) -> None:
+                 connection: Callable[[], Connection], queue_name: str,
+                 on_poison: Callable[[], object] = lambda: None) -> None:
         self.batcher = batcher
         self.fleet = fleet
         self.claims = claims
@@ -53,6 +54,7 @@ class Recovery:
         self.record = record
         self.connection = connection  # a broker connection for queue checks, draining and publishing
         self.queue = recovery_queue(queue_name)
+        self.on_poison = on_poison  # counts isolated poison inputs (metrics)
 
     # -- the recovery queue --------------------------------------------------------------------------
     def on_message(self, message: Message) -> float | None:
@@ -141,6 +143,7 @@ class Recovery:
             except redis.RedisError as exc:
                 log.error("could not quarantine %s: %s", digest, exc)
             self._answer([item], PoisonInput.type, text)
+            self.on_poison()
             self.record(Quarantined(digest, batch.model, text, batch.id, item))
             log.warning("poison input isolated in batch %s: request %s, hash %s", batch.id, item.request_id,
                         digest, extra={"batch_id": batch.id, "request_id": item.request_id})

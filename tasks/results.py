@@ -13,6 +13,7 @@ import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import redis
 
@@ -33,8 +34,10 @@ class ResultWriter:
         self.counter_key = counter_key  # items answered with an output
         self.batch_counter_key = batch_counter_key  # batches run
 
-    def write(self, results: Iterable[tuple[BatchItem, ItemResult]], done_key: str | None = None) -> None:
-        """Write every result, wake every waiting API process, and (for a batch run) mark its claim done."""
+    def write(self, results: Iterable[tuple[BatchItem, ItemResult]], done_key: str | None = None,
+              extra: Callable[[Any], None] | None = None) -> None:
+        """Write every result, wake every waiting API process, and (for a batch run) mark its claim done;
+        ``extra`` may add commands (metrics) to the same pipeline."""
         pipe = self.client.pipeline(transaction=False)
         by_channel: dict[str, list[str]] = defaultdict(list)
         count = 0
@@ -50,6 +53,8 @@ class ResultWriter:
             pipe.set(done_key, DONE, ex=self.ttl_s)
             if self.batch_counter_key:
                 pipe.incr(self.batch_counter_key)
+        if extra is not None:
+            extra(pipe)
         for channel, ids in by_channel.items():
             pipe.publish(channel, ",".join(ids))
         pipe.execute()

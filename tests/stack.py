@@ -44,8 +44,9 @@ class Stack:
         self.port = 0
 
     # -- processes -----------------------------------------------------------------------------------
-    def _spawn(self, name: str, argv: list[str], **env: object) -> subprocess.Popen[bytes]:
-        extra = {f"LLMB_{k.upper()}": str(v) for k, v in env.items()}
+    def _spawn(self, name: str, argv: list[str], raw_env: dict[str, str] | None = None,
+               **env: object) -> subprocess.Popen[bytes]:
+        extra = {f"LLMB_{k.upper()}": str(v) for k, v in env.items()} | (raw_env or {})
         log = open(self.tmp / f"{name}.log", "ab")
         proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
@@ -70,6 +71,13 @@ class Stack:
 
     def start_batcher(self, name: str = "batcher", **env: object) -> subprocess.Popen[bytes]:
         return self._spawn(name, [str(BIN / "llmb-batcher"), "--hostname", f"{name}.{self.namespace}@test"], **env)
+
+    def start_flower(self) -> str:
+        """Flower as the Procfile runs it; its API open without auth, which the Procfile allows on localhost."""
+        port = free_port()
+        self._spawn("flower", [str(BIN / "celery"), "-A", "tasks.celery_app", "flower", "--address=127.0.0.1",
+                               f"--port={port}"], raw_env={"FLOWER_UNAUTHENTICATED_API": "true"})
+        return f"http://127.0.0.1:{port}"
 
     def start_web(self, name: str = "web", workers: int = 2, **env: object) -> str:
         port = free_port()

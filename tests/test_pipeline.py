@@ -182,3 +182,38 @@ def test_killing_the_batcher_with_requests_buffered_loses_none(stack: Stack) -> 
             assert r.json()["output"] == expected(text)
         for future in doomed:
             assert_json_error(future.result(), 504, "deadline_exceeded")
+
+
+def test_metrics_add_up_across_api_processes_and_cover_the_whole_system(stack: Stack) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    def scrape() -> dict[str, float]:
+        text = requests.get(stack.url + "/metrics", timeout=10).text
+        return {f"{s.name}{sorted(s.labels.items())}": s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
+    before = scrape()
+    ok_key = "llmb_http_requests_total[('status', '200'), ('type', '')]"
+    responses = post_many(stack.url, [{"input": f"metrics {i}"} for i in range(40)])
+    assert all(r.status_code == 200 for r in responses)
+    assert_json_error(post(stack.url, data="{broken"), 400)
+    after = scrape()  # whichever gunicorn process answers, it reports both processes' requests
+    assert after[ok_key] - before.get(ok_key, 0) == 40
+    assert after["llmb_http_requests_total[('status', '400'), ('type', 'invalid_request')]"] >= 1
+    assert after["llmb_request_duration_seconds_count[('status', '200')]"] >= 40
+    assert after["llmb_batch_size_count[]"] - before.get("llmb_batch_size_count[]", 0) >= 1
+    assert after["llmb_batch_size_sum[]"] - before.get("llmb_batch_size_sum[]", 0) == 40
+    assert after["llmb_batch_run_seconds_count[]"] >= 1
+    assert after["llmb_workers[('state', 'idle')]"] + after["llmb_workers[('state', 'busy')]"] == 2
+    for name in ("llmb_queue_depth[]", "llmb_in_flight_items[]", "llmb_oldest_waiting_seconds[]",
+                 "llmb_quarantined_inputs[]", "llmb_poison_inputs_total[]", "llmb_ledger_records_dropped_total[]"):
+        assert name in after, name
+
+
+def test_flower_lists_the_running_gpu_workers(stack: Stack) -> None:
+    flower = stack.start_flower()
+
+    def workers() -> set[str]:
+        return set(requests.get(flower + "/api/workers", timeout=10).json())
+
+    wait_for(lambda: {"gpu0@test", "gpu1@test"} <= workers(), 60, "Flower to list both GPU workers")

@@ -42,3 +42,4 @@ def test_settings_from_env_parse_and_reject() -> None:
     assert s.max_batch_size == 7 and s.max_wait_ms == 2.5 and s.log_json is True
     with pytest.raises(ValueError, match="LLMB_MAX_BATCH_SIZE"):
         Settings.from_env({"LLMB_MAX_BATCH_SIZE": "many"})
+

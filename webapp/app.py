@@ -5,15 +5,18 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 import uuid
 
 import redis
 from flask import Flask, Response, current_app, g, jsonify, request
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 
 from tasks.config import Settings
 from tasks.gateway import Answer, Gateway
 from tasks.logs import setup_logging
+from tasks.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
 from tasks.queues import RequestPublisher
 from webapp.errors import register_error_handlers
 from webapp.validation import parse_infer, request_id_from
@@ -32,6 +35,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size)
     app.extensions["llmb"] = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
     app.extensions["llmb_settings"] = settings
+    app.extensions["llmb_metrics"] = metrics_registry(settings, client, publisher)
 
     @app.before_request
     def _correlate() -> None:
@@ -39,19 +43,50 @@ def create_app(settings: Settings | None = None) -> Flask:
         g.started = time.monotonic()
 
     @app.after_request
-    def _echo_id(response: Response) -> Response:
+    def _account(response: Response) -> Response:
         response.headers["X-Request-Id"] = g.get("request_id", "")
         if request.path == "/v1/infer":
-            log.info("%s %s %d", request.method, request.path, response.status_code,
-                     extra={"request_id": g.get("request_id"), "status": response.status_code,
-                            "total_ms": round((time.monotonic() - g.get("started", time.monotonic())) * 1000, 1)})
+            log_outcome(response)
         return response
 
     register_error_handlers(app)
     app.add_url_rule("/v1/infer", view_func=infer, methods=["POST"])
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)
+    app.add_url_rule("/metrics", view_func=metrics)
     return app
+
+
+def metrics_registry(settings: Settings, client: redis.Redis, publisher: RequestPublisher) -> CollectorRegistry:
+    """This process's view of every API process (multiprocess mode) plus the system-wide figures."""
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.MultiProcessCollector(registry)
+    else:  # a single process (tests, the Flask dev server): its own counters are the whole story
+        registry.register(HTTP_REQUESTS)
+        registry.register(REQUEST_LATENCY)
+
+    def depth() -> int | None:
+        try:
+            return publisher.queue_depth()
+        except Exception:  # RabbitMQ away: leave the gauge out of this scrape
+            return None
+
+    registry.register(SystemCollector(settings, client, depth))
+    return registry
+
+
+def log_outcome(response: Response) -> None:
+    """One structured line and one metrics update per inference call."""
+    elapsed = time.monotonic() - g.get("started", time.monotonic())
+    error_type = g.get("error_type", "")
+    HTTP_REQUESTS.labels(str(response.status_code), error_type).inc()
+    REQUEST_LATENCY.labels(str(response.status_code)).observe(elapsed)
+    batches = ",".join(g.get("batch_ids", ()))
+    log.info("request %s -> %d%s in %.1f ms%s", g.get("request_id"), response.status_code,
+             f" {error_type}" if error_type else "", elapsed * 1000, f" batch {batches}" if batches else "",
+             extra={"request_id": g.get("request_id"), "status": response.status_code, "error": error_type or None,
+                    "batch_id": batches or None, "total_ms": round(elapsed * 1000, 1)})
 
 
 def _gateway() -> Gateway:
@@ -63,6 +98,7 @@ def infer() -> Response:
     body = request.get_json(force=True)
     call = parse_infer(body, settings, g.request_id, request.headers.get("X-Tenant"))
     answer = _gateway().submit(call)
+    g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
     return jsonify(_render(call.request_id, answer, single="input" in body, started=g.started))
 
 
@@ -93,3 +129,8 @@ def healthz() -> Response:
 
 def readyz() -> Response:
     return jsonify(status="ready", **_gateway().ping())
+
+
+def metrics() -> Response:
+    registry: CollectorRegistry = current_app.extensions["llmb_metrics"]
+    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)

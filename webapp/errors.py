@@ -18,6 +18,7 @@ HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed
 
 
 def error_response(status: int, type_: str, message: str, retry_after_s: int | None = None) -> Response:
+    g.error_type = type_
     response = jsonify(error={"type": type_, "message": message, "request_id": g.get("request_id")})
     response.status_code = status
     if retry_after_s is not None:

@@ -1,0 +1,110 @@
+"""Prometheus metrics for the whole system, served by every API process at ``/metrics``.
+
+Two kinds:
+
+- per API process (requests by status, end-to-end latency): prometheus_client objects in multiprocess mode,
+  so the numbers are right however many gunicorn workers serve them;
+- system-wide (queue depth, oldest waiting request, workers by state, batch sizes and run times, poison and
+  quarantine counts, dropped ledger records): read from Redis and RabbitMQ when scraped. Workers add each
+  batch to Redis histograms in the same pipeline that writes its results, so a batch costs no extra round
+  trip, and any API process can answer a scrape with the figures of every worker and batcher.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import redis
+from prometheus_client import Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tasks.config import Settings
+from tasks.fleet import Fleet
+
+BATCH_SIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)
+RUN_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+HTTP_REQUESTS = Counter("llmb_http_requests", "Inference calls answered, by HTTP status and error type.",
+                        ["status", "type"])
+REQUEST_LATENCY = Histogram("llmb_request_duration_seconds", "End-to-end latency of inference calls.",
+                            ["status"], buckets=LATENCY_BUCKETS)
+
+
+def _bucket(value: float, bounds: tuple[float, ...]) -> str:
+    i = bisect.bisect_left(bounds, value)
+    return repr(bounds[i]) if i < len(bounds) else "+Inf"
+
+
+def observe_batch(pipe: Any, settings: Settings, size: int, run_s: float) -> None:
+    """Add one batch to the system's histograms (inside the caller's Redis pipeline)."""
+    for name, value, bounds in (("batch_size", float(size), BATCH_SIZE_BUCKETS),
+                                ("batch_run_seconds", run_s, RUN_SECONDS_BUCKETS)):
+        key = settings.key("metrics", name)
+        pipe.hincrby(key, _bucket(value, bounds), 1)
+        pipe.hincrbyfloat(key, "sum", value)
+
+
+class SystemCollector(Collector):
+    """System-wide figures, read at scrape time."""
+
+    def __init__(self, settings: Settings, client: redis.Redis, queue_depth: Callable[[], int | None]) -> None:
+        self.settings = settings
+        self.client = client
+        self.queue_depth = queue_depth
+        self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
+
+    def collect(self) -> Iterator[Metric]:
+        s, now = self.settings, time.time()
+        try:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zcount(s.key("inflight"), now, "+inf")
+            pipe.zrange(s.key("inflight") + ":arrivals", 0, 0, withscores=True)
+            pipe.mget([s.key("stats", n) for n in ("items_done", "batches_done", "poison_inputs", "ledger_dropped")])
+            pipe.scard(s.key("quarantine"))
+            pipe.hgetall(s.key("metrics", "batch_size"))
+            pipe.hgetall(s.key("metrics", "batch_run_seconds"))
+            in_flight, oldest, counters, quarantined, sizes, runs = pipe.execute()
+            workers = self.fleet.all()
+        except redis.RedisError:
+            yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=0)
+            return
+        yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=1)
+        depth = self.queue_depth()
+        if depth is not None:
+            yield GaugeMetricFamily("llmb_queue_depth", "Requests in RabbitMQ not yet taken by a batcher.",
+                                    value=depth)
+        yield GaugeMetricFamily("llmb_in_flight_items", "Items admitted and not yet answered.", value=in_flight)
+        yield GaugeMetricFamily("llmb_oldest_waiting_seconds",
+                                "Age of the oldest admitted, unanswered item (the autoscaling signal).",
+                                value=now - float(oldest[0][1]) if oldest else 0.0)
+        by_state = GaugeMetricFamily("llmb_workers", "GPU workers by state, from heartbeats.", labels=["state"])
+        states = {"idle": 0, "busy": 0, "stale": 0}
+        for w in workers:
+            states["stale" if now - w.heartbeat_at > self.fleet.stale_after_s else w.state] += 1
+        for state, n in states.items():
+            by_state.add_metric([state], n)
+        yield by_state
+        done, batches, poison, dropped = (int(v or 0) for v in counters)
+        yield CounterMetricFamily("llmb_items_done", "Items answered with an output.", value=done)
+        yield CounterMetricFamily("llmb_batches_done", "Batches run to completion.", value=batches)
+        yield CounterMetricFamily("llmb_poison_inputs", "Inputs isolated as poison.", value=poison)
+        yield GaugeMetricFamily("llmb_quarantined_inputs", "Inputs refused at the door now.", value=quarantined)
+        yield CounterMetricFamily("llmb_ledger_records_dropped",
+                                  "Ledger records dropped because the database was unreachable too long.",
+                                  value=dropped)
+        yield _histogram("llmb_batch_size", "Items per batch run.", sizes, BATCH_SIZE_BUCKETS)
+        yield _histogram("llmb_batch_run_seconds", "Run time of each batch on its device.", runs,
+                         RUN_SECONDS_BUCKETS)
+
+
+def _histogram(name: str, doc: str, raw: dict[bytes, bytes], bounds: tuple[float, ...]) -> Metric:
+    counts = {k.decode(): float(v) for k, v in raw.items()}
+    cumulative, buckets = 0.0, []
+    for label in [repr(b) for b in bounds] + ["+Inf"]:
+        cumulative += counts.get(label, 0.0)
+        buckets.append((label, cumulative))
+    return HistogramMetricFamily(name, doc, buckets=buckets, sum_value=counts.get("sum", 0.0))
