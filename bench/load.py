@@ -1,10 +1,11 @@
 """Open-loop load generator: Poisson arrivals at a fixed rate for a bounded time, one process (gevent).
 
-    python bench/load.py --url http://127.0.0.1:8000 --rate 300 --duration 20
+    python bench/load.py --url http://127.0.0.1:8000 --rate 300 --duration 20 [--out requests.json]
 
-Arrivals are scheduled ahead of time and sent whether or not earlier requests have returned (open loop), so
-a slow server cannot slow the offered load down. The generator reports its own scheduling lag: if that is
-large, the figures measure the generator, not the system.
+Arrivals are scheduled ahead of time and sent whether or not earlier requests have returned (open loop),
+so a slow server cannot slow the offered load down. The generator reports its own scheduling lag: when that
+is large, the figures measure the generator, not the system. It stops by itself: arrivals end after
+``--duration`` and every request carries a deadline.
 """
 from __future__ import annotations
 
@@ -18,17 +19,86 @@ import http.client  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
 import time  # noqa: E402
+from typing import Any  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
 
 import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 
 
-def percentile(values: list[float], q: float) -> float:
+def percentile(values: list[float], q: float) -> float | None:
     if not values:
-        return float("nan")
-    values = sorted(values)
-    return values[min(len(values) - 1, int(q / 100 * len(values)))]
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 1, tenant: str | None = None,
+        poison_every: int = 0, poison_marker: str = "", concurrency: int = 10_000) -> dict[str, Any]:
+    """Offer ``rate`` requests/s for ``duration`` s; returns a summary and one record per request."""
+    target = urlparse(url)
+    rng = random.Random(seed)
+    records: list[dict[str, Any]] = []
+    lags: list[float] = []
+    pool = Pool(concurrency)
+    headers = {"Content-Type": "application/json"}
+    if tenant:
+        headers["X-Tenant"] = tenant
+
+    def one(i: int, sent_at: float) -> None:
+        text = f"bench {seed} {i}"
+        if poison_every and i % poison_every == poison_every - 1:
+            text = f"{poison_marker} {seed} {i}"
+        body = json.dumps({"input": text, "timeout_ms": timeout_ms})
+        record: dict[str, Any] = {"i": i, "t": round(sent_at, 4)}
+        started = time.monotonic()
+        try:
+            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=timeout_ms / 1000 + 30)
+            conn.request("POST", "/v1/infer", body, headers)
+            resp = conn.getresponse()
+            data = resp.read()
+            conn.close()
+            record["status"] = resp.status
+            if resp.status == 200:
+                record["batch"] = json.loads(data)["batch"]["size"]
+        except OSError as exc:
+            record["status"] = type(exc).__name__
+        record["ms"] = round((time.monotonic() - started) * 1000, 2)
+        records.append(record)
+
+    t0 = time.monotonic()
+    next_at, sent = 0.0, 0
+    while next_at < duration:
+        delay = t0 + next_at - time.monotonic()
+        if delay > 0:
+            gevent.sleep(delay)
+        lags.append(max(0.0, time.monotonic() - (t0 + next_at)) * 1000)
+        pool.spawn(one, sent, next_at)
+        sent += 1
+        next_at += rng.expovariate(rate)
+    pool.join()
+    return {"summary": summarize(records, rate, duration, timeout_ms, lags), "records": records}
+
+
+def summarize(records: list[dict[str, Any]], rate: float, duration: float, timeout_ms: int,
+              lags: list[float]) -> dict[str, Any]:
+    statuses = collections.Counter(str(r["status"]) for r in records)
+    ok = [r["ms"] for r in records if r["status"] == 200]
+    refused = [r["ms"] for r in records if r["status"] == 429]
+    sizes = [r["batch"] for r in records if "batch" in r]
+    # goodput: answers 200 per second, from the first request sent to the last 200 received
+    span = max((r["t"] + r["ms"] / 1000 for r in records if r["status"] == 200), default=duration)
+    return {
+        "offered_rps": rate, "sent": len(records), "duration_s": duration,
+        "goodput_rps": round(len(ok) / max(span, duration), 1),
+        "statuses": dict(statuses),
+        "ok_fraction": round(len(ok) / len(records), 4) if records else None,
+        "latency_ms": {q: percentile(ok, float(q[1:])) for q in ("p50", "p90", "p99")},
+        "refused_latency_ms": {q: percentile(refused, float(q[1:])) for q in ("p50", "p99")},
+        "mean_batch_size_seen": round(sum(sizes) / len(sizes), 1) if sizes else None,
+        "late_over_100ms": sum(1 for r in records if r["ms"] > timeout_ms + 100),
+        "generator_lag_ms": {"p50": percentile(lags, 50), "p99": percentile(lags, 99)},
+    }
 
 
 def main() -> None:
@@ -37,61 +107,18 @@ def main() -> None:
     ap.add_argument("--rate", type=float, required=True, help="offered requests per second")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
     ap.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline sent to the server")
-    ap.add_argument("--concurrency", type=int, default=5000, help="most requests in flight")
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--tenant", default=None)
+    ap.add_argument("--poison-every", type=int, default=0, help="make every Nth input a poison one")
+    ap.add_argument("--poison-marker", default="__raise_here__")
+    ap.add_argument("--out", help="write the summary and every request's record here (JSON)")
     args = ap.parse_args()
-
-    target = urlparse(args.url)
-    rng = random.Random(args.seed)
-    latencies: list[float] = []
-    late_ms: list[float] = []
-    lags: list[float] = []
-    statuses: collections.Counter[int | str] = collections.Counter()
-    batch_sizes: collections.Counter[int] = collections.Counter()
-    pool = Pool(args.concurrency)
-
-    def one(i: int) -> None:
-        body = json.dumps({"input": f"bench {args.seed} {i}", "timeout_ms": args.timeout_ms})
-        started = time.monotonic()
-        try:
-            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=args.timeout_ms / 1000 + 10)
-            conn.request("POST", "/v1/infer", body, {"Content-Type": "application/json"})
-            resp = conn.getresponse()
-            data = resp.read()
-            conn.close()
-            statuses[resp.status] += 1
-        except OSError as exc:
-            statuses[type(exc).__name__] += 1
-            return
-        elapsed = (time.monotonic() - started) * 1000
-        late_ms.append(elapsed - args.timeout_ms)
-        if resp.status == 200:
-            latencies.append(elapsed)
-            batch_sizes[json.loads(data)["batch"]["size"]] += 1
-
-    t0 = time.monotonic()
-    next_at = 0.0
-    sent = 0
-    while next_at < args.duration:
-        delay = t0 + next_at - time.monotonic()
-        if delay > 0:
-            gevent.sleep(delay)
-        lags.append(max(0.0, time.monotonic() - (t0 + next_at)) * 1000)
-        pool.spawn(one, sent)
-        sent += 1
-        next_at += rng.expovariate(args.rate)
-    pool.join()
-    wall = time.monotonic() - t0
-    ok = statuses.get(200, 0)
-    sizes = [s for s, n in batch_sizes.items() for _ in range(n)]
-    print(json.dumps({
-        "offered_rps": args.rate, "sent": sent, "duration_s": round(wall, 2),
-        "goodput_rps": round(ok / args.duration, 1), "statuses": {str(k): v for k, v in statuses.items()},
-        "latency_ms": {q: round(percentile(latencies, float(q[1:])), 1) for q in ("p50", "p90", "p99")},
-        "mean_batch_size_seen_by_requests": round(sum(sizes) / len(sizes), 1) if sizes else None,
-        "answered_after_deadline_plus_100ms": sum(1 for x in late_ms if x > 100),
-        "generator_lag_ms": {"p50": round(percentile(lags, 50), 2), "p99": round(percentile(lags, 99), 2)},
-    }, indent=2))
+    result = run(args.url, args.rate, args.duration, args.timeout_ms, seed=args.seed, tenant=args.tenant,
+                 poison_every=args.poison_every, poison_marker=args.poison_marker)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    print(json.dumps(result["summary"], indent=2))
 
 
 if __name__ == "__main__":

@@ -77,7 +77,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         ResultWriter(client, lambda item_id: settings.key("result", item_id), settings.result_ttl_s,
                      settings.key("stats", "items_done"), settings.key("stats", "batches_done")),
         worker_id, state,
-        announce=Announcer(app, settings.namespace),
+        announce=Announcer(settings.broker_url, settings.namespace),
         claims=Claims(client, settings.key("claim")),
         give_back=GiveBack(app, settings.recovery_queue, worker_id),
         record=ledger.record,

@@ -12,6 +12,7 @@ from typing import Any
 
 from celery import Celery, bootsteps
 from celery.worker import state as celery_state
+from kombu import Connection
 
 from gpu_worker.runner import WorkerState
 from tasks.config import Settings
@@ -81,18 +82,23 @@ class WorkerRuntime:
 class Announcer:
     """Publishes this worker's batch events to every batcher (the scheduler's start/finish signal).
 
-    Never raises: a lost announcement only delays the scheduler, which forgets unheard batches in time.
+    Never raises: a lost announcement only delays the scheduler, which forgets unheard batches in time. So
+    announcements go on a connection of their own *without* publisher confirms: the "started" one is on the
+    path from a batch's arrival to its run, and a confirm would add a broker round trip to every batch.
     """
 
-    def __init__(self, app: Celery, namespace: str) -> None:
-        self.app = app
+    def __init__(self, broker_url: str, namespace: str) -> None:
+        self.connection = Connection(broker_url, connect_timeout=2)
         self.exchange = fleet_exchange(namespace)
+        self._lock = threading.Lock()
 
     def __call__(self, event: BatchEvent) -> None:
         try:
-            with self.app.producer_or_acquire() as producer:
-                producer.publish(event.to_dict(), exchange=self.exchange, routing_key="", declare=[self.exchange],
-                                 serializer="json", retry=True, retry_policy=RETRY_POLICY)
+            with self._lock:
+                producer = self.connection.Producer()
+                self.connection.ensure(producer, producer.publish, **RETRY_POLICY)(
+                    event.to_dict(), exchange=self.exchange, routing_key="", declare=[self.exchange],
+                    serializer="json")
         except Exception as exc:
             log.warning("could not announce %s of batch %s: %s", event.event, event.batch_id, exc)
 

@@ -97,9 +97,10 @@ class BatchRunner:
             self._hand_back(batch, Failure.DIED, "the worker running this batch died")
             return {**summary, "given_back": "died"}
 
-        now = time.time()
-        live = tuple(i for i in batch.items if i.deadline > now)
-        expired = [i for i in batch.items if i.deadline <= now]
+        # Items whose caller will be gone before this batch can finish are not worth running.
+        horizon = time.time() + self.state.batch_ms_estimate / 1000
+        live = tuple(i for i in batch.items if i.deadline > horizon)
+        expired = [i for i in batch.items if i.deadline <= horizon]
         if expired:
             self.record(ItemsOutcome(batch.model, expired, "expired", "deadline passed before the batch ran",
                                      batch.id))

@@ -1,19 +1,14 @@
 """Alembic environment: the database URL comes from LLMB_DATABASE_URL (see tasks.config), nowhere else."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from alembic import context
-from sqlalchemy import engine_from_config, pool
 
 from tasks.config import Settings
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
-if url.startswith("sqlite:///") and not url.startswith("sqlite:////"):
-    Path(url.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
 
-from tasks.ledger import Base  # noqa: E402
+from tasks.ledger import Base, make_engine  # noqa: E402
 
 target_metadata = Base.metadata
 
@@ -25,7 +20,7 @@ def run_offline() -> None:
 
 
 def run_online() -> None:
-    engine = engine_from_config({"sqlalchemy.url": url}, prefix="sqlalchemy.", poolclass=pool.NullPool)
+    engine = make_engine(url)
     with engine.connect() as connection:
         context.configure(connection=connection, target_metadata=target_metadata,
                           render_as_batch=connection.dialect.name == "sqlite")

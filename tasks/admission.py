@@ -56,6 +56,20 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     return min(configured, max(floor, int(throughput * timeout_s)))
 
 
+# KEYS: inflight, arrivals, result keys...; ARGV: the item ids of those keys, in order.
+# Reads the results and releases the admission of every item that has one, in one round trip.
+_COLLECT = """
+local values = redis.call('MGET', unpack(KEYS, 3))
+for i = 1, #values do
+  if values[i] then
+    redis.call('ZREM', KEYS[1], ARGV[i])
+    redis.call('ZREM', KEYS[2], ARGV[i])
+  end
+end
+return values
+"""
+
+
 class Verdict(StrEnum):
     OK = "ok"
     FULL = "full"
@@ -70,6 +84,7 @@ class Admission:
         self.quarantine_key = quarantine_key
         self.cap = cap
         self._admit = client.register_script(_ADMIT)
+        self._collect = client.register_script(_COLLECT)
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, now: float, deadline: float,
                   cap: int | None = None) -> tuple[Verdict, str | None]:
@@ -81,6 +96,10 @@ class Admission:
         if text.startswith("quarantined:"):
             return Verdict.QUARANTINED, text.split(":", 1)[1]
         return Verdict(text), None
+
+    def collect(self, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
+        """Read these items' result keys; items that have a result stop counting against the cap."""
+        return list(self._collect(keys=[self.key, self.arrivals_key, *result_keys], args=list(item_ids)))
 
     def release(self, item_ids: Sequence[str]) -> None:
         if item_ids:

@@ -32,9 +32,10 @@ class Settings:
     max_timeout_ms: int = 300_000
     retry_after_s: int = 1
     result_ttl_s: int = 300
-    result_recheck_ms: float = 500.0
+    result_recheck_ms: float = 3000.0
     redis_pool_size: int = 50
     broker_pool_size: int = 10
+    persistent_requests: bool = True
 
     web_bind: str = "127.0.0.1:8000"
     web_workers: int = 2
@@ -122,9 +123,10 @@ DOCS: dict[str, str] = {
     "max_timeout_ms": "Largest timeout_ms a caller may ask for.",
     "retry_after_s": "Retry-After sent with 429.",
     "result_ttl_s": "How long a result key lives in Redis.",
-    "result_recheck_ms": "A waiting request re-reads its keys this often even without a wake-up.",
+    "result_recheck_ms": "A waiting request re-reads its keys this often even without a wake-up (a safety net: wake-ups lost to a Redis reconnect are re-read at once).",
     "redis_pool_size": "Redis connections per API process (shared by all waiting requests).",
     "broker_pool_size": "RabbitMQ connections per API process used for publishing.",
+    "persistent_requests": "Write request messages to disk in RabbitMQ, so they outlive a broker restart; false saves ~0.25 ms of broker CPU per request.",
     "web_bind": "Address gunicorn listens on.",
     "web_workers": "gunicorn worker processes (each holds many waiting requests on gevent).",
     "web_connections": "Simultaneous connections per gunicorn worker process.",

@@ -70,8 +70,12 @@ class Gateway:
         self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
                                    settings.key("quarantine"))
         self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
+        def result_key(item_id: str) -> str:
+            return settings.key("result", item_id)
+
         self.listener = ResultListener(
-            client, self.reply_to, lambda item_id: settings.key("result", item_id), settings.result_recheck_ms / 1000
+            client, self.reply_to, result_key, settings.result_recheck_ms / 1000,
+            read=lambda ids: self.admission.collect(ids, [result_key(i) for i in ids]),
         )
         self._workers: list[WorkerInfo] = []
         self._workers_checked = 0.0
@@ -119,6 +123,7 @@ class Gateway:
                 "the service is full: no room to answer this request within its deadline; retry later",
                 retry_after_s=self.settings.retry_after_s,
             )
+        found: dict[str, ItemResult] = {}
         try:
             models = self.live_models()
             if call.model not in models:
@@ -133,18 +138,23 @@ class Gateway:
                 found = self.listener.wait(ids, deadline_mono)
             except redis.RedisError as exc:
                 raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
-        finally:
-            try:
-                self.admission.release(ids)
-            except redis.RedisError:
-                pass  # the member expires at its deadline anyway
-        if len(found) < len(ids):
+        except BaseException:
+            self._release([i for i in ids if i not in found])
+            raise
+        if len(found) < len(ids):  # items with a result were released as they were read: release the rest
+            self._release([i for i in ids if i not in found])
             raise DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
         results = tuple(found[i] for i in ids)
         failed = next((r for r in results if r.error), None)
         if failed is not None:
             raise _ERRORS.get(failed.error or "", InferenceFailed)(failed.message or "the model failed on this input")
         return Answer(results=results, accepted_at=accepted_at)
+
+    def _release(self, item_ids: list[str]) -> None:
+        try:
+            self.admission.release(item_ids)
+        except redis.RedisError:
+            pass  # the member expires at its deadline anyway
 
     def ping(self) -> dict[str, object]:
         """Readiness: broker and Redis reachable, and the live workers. Raises Unavailable otherwise."""

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
@@ -31,7 +32,7 @@ from sqlalchemy import (
     literal_column,
     or_,
 )
-from sqlalchemy.engine import Engine
+from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
@@ -157,6 +158,9 @@ LedgerEvent = BatchOutcome | ItemsOutcome | Quarantined | Released
 def make_engine(url: str) -> Engine:
     """An engine that several processes can share a SQLite file through (WAL, waiting on locks)."""
     if url.startswith("sqlite"):
+        path = make_url(url).database
+        if path and path != ":memory:":
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
         engine = create_engine(url, connect_args={"timeout": 30})
 
         @event.listens_for(engine, "connect")

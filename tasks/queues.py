@@ -33,8 +33,9 @@ def recovery_queue(name: str) -> Queue:
 class RequestPublisher:
     """Publishes from many greenlets or threads: each publish borrows a connection from a bounded pool."""
 
-    def __init__(self, broker_url: str, queue_name: str, pool_size: int) -> None:
+    def __init__(self, broker_url: str, queue_name: str, pool_size: int, persistent: bool = True) -> None:
         self.queue = request_queue(queue_name)
+        self.persistent = persistent
         self.connection = Connection(
             broker_url, connect_timeout=2, transport_options={"confirm_publish": True}
         )
@@ -52,7 +53,7 @@ class RequestPublisher:
                 declare=[self.queue],
                 content_type="application/json",
                 content_encoding="utf-8",
-                delivery_mode=2,
+                delivery_mode=2 if self.persistent else 1,
                 expiration=ttl_s,
                 correlation_id=request.id,
                 headers={"tenant": request.tenant, "model": request.model},

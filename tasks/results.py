@@ -77,11 +77,14 @@ class ResultListener:
     waiter's event is a gevent event; without gevent they are real threads and events, and it works the same.
     """
 
-    def __init__(self, client: redis.Redis, channel: str, key: Callable[[str], str], recheck_s: float) -> None:
+    def __init__(self, client: redis.Redis, channel: str, key: Callable[[str], str], recheck_s: float,
+                 read: Callable[[Sequence[str]], list[bytes | None]] | None = None) -> None:
         self.client = client
         self.channel = channel
         self.key = key
         self.recheck_s = recheck_s
+        # How to read result keys: plain MGET by default; the gateway reads and releases admission together.
+        self.read = read or (lambda ids: self.client.mget([self.key(i) for i in ids]))
         self._waiters: dict[str, _Waiter] = {}
         self._started = False
         self._start_lock = threading.Lock()
@@ -128,7 +131,7 @@ class ResultListener:
     def fetch(self, item_ids: Sequence[str]) -> dict[str, ItemResult]:
         if not item_ids:
             return {}
-        raw = self.client.mget([self.key(i) for i in item_ids])
+        raw = self.read(item_ids)
         return {i: ItemResult.from_dict(json.loads(r)) for i, r in zip(item_ids, raw) if r is not None}
 
     def _wake(self, item_ids: Iterable[str]) -> None:

@@ -34,6 +34,7 @@ class Stack:
     def __init__(self, tmp: Path, **env: object) -> None:
         self.namespace = "t" + uuid.uuid4().hex[:10]
         self.tmp = tmp
+        tmp.mkdir(parents=True, exist_ok=True)
         self.database_url = f"sqlite:///{tmp / 'ledger.db'}"
         self.env = {**os.environ, "LLMB_NAMESPACE": self.namespace, "LLMB_BROKER_URL": BROKER_URL,
                     "LLMB_REDIS_URL": REDIS_URL, "LLMB_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}

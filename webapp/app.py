@@ -32,7 +32,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
         settings.redis_url, max_connections=settings.redis_pool_size, timeout=5,
         socket_timeout=5, socket_connect_timeout=2))
-    publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size)
+    publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
+                                 settings.persistent_requests)
     app.extensions["llmb"] = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
     app.extensions["llmb_settings"] = settings
     app.extensions["llmb_metrics"] = metrics_registry(settings, client, publisher)

@@ -1,0 +1,289 @@
+"""The benchmark: the real system (and the in-process reference) under open-loop load, with a report.
+
+    python -m bench.run                      # full run, a few minutes; report in bench/results/latest/
+    python -m bench.run --smoke --no-plots   # seconds: what CI runs to keep it working
+
+Starts its own system on the local RabbitMQ and Redis (gunicorn, batcher, sim workers, in a namespace of its
+own), runs each scenario with ``bench/load.py``, samples the CPU time of every process of the system
+(web, batcher, workers, RabbitMQ, Redis), and writes ``report.json``, ``summary.md`` and PNG plots.
+Capacity = workers x max batch / batch time.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests.stack import Stack, free_port, wait_for  # noqa: E402
+
+PYTHON = sys.executable
+LOAD = [PYTHON, str(ROOT / "bench" / "load.py")]
+POISON = "__bench_poison__"
+
+
+# -- measuring ------------------------------------------------------------------------------------------
+def _stat(pid: int) -> tuple[int, float] | None:
+    """(process group, CPU seconds) of a process, from /proc."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return int(fields[2]), (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(groups: set[int], names: tuple[str, ...] = ("beam.smp", "redis-server")) -> float:
+    """CPU time used so far by every process in ``groups`` plus RabbitMQ and Redis."""
+    total = 0.0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        stat = _stat(int(entry.name))
+        if stat is None:
+            continue
+        pgrp, seconds = stat
+        if pgrp in groups:
+            total += seconds
+            continue
+        try:
+            comm = (entry / "comm").read_text().strip()
+        except OSError:
+            continue
+        if comm in names:
+            total += seconds
+    return total
+
+
+def batch_metrics(stack: Stack) -> dict[str, float]:
+    """Batches run, items in them and device seconds, from the workers' Redis histograms."""
+    sizes = {k.decode(): float(v) for k, v in stack.redis.hgetall(f"{stack.namespace}:metrics:batch_size").items()}
+    runs = {k.decode(): float(v) for k, v in
+            stack.redis.hgetall(f"{stack.namespace}:metrics:batch_run_seconds").items()}
+    return {"batches": sum(v for k, v in sizes.items() if k != "sum"), "items": sizes.get("sum", 0.0),
+            "busy_s": runs.get("sum", 0.0), "buckets": {k: v for k, v in sizes.items() if k != "sum"}}
+
+
+def load(url: str, rate: float, duration: float, timeout_ms: int, out: Path, **extra: Any) -> dict[str, Any]:
+    argv = [*LOAD, "--url", url, "--rate", str(rate), "--duration", str(duration), "--timeout-ms",
+            str(timeout_ms), "--out", str(out)]
+    for key, value in extra.items():
+        argv += [f"--{key.replace('_', '-')}", str(value)]
+    subprocess.run(argv, check=True, capture_output=True, timeout=duration + timeout_ms / 1000 + 120)
+    return json.loads(out.read_text())  # type: ignore[no-any-return]
+
+
+# -- the system and the reference ----------------------------------------------------------------------
+class Bench:
+    def __init__(self, args: argparse.Namespace, out: Path) -> None:
+        self.args = args
+        self.out = out
+        self.capacity = args.workers * args.max_batch / (args.batch_ms / 1000)
+        self.results: dict[str, Any] = {}
+
+    def start_system(self) -> Stack:
+        a = self.args
+        stack = Stack(self.out / "system", sim_batch_ms=a.batch_ms, max_batch_size=a.max_batch,
+                      max_wait_ms=a.max_wait_ms, sim_raise_on=POISON, log_level="WARNING")
+        for n in range(a.workers):
+            stack.start_worker(n)
+        stack.start_batcher()
+        stack.start_web(workers=a.web_workers)
+        stack.wait_ready(workers=a.workers)
+        return stack
+
+    def measure(self, name: str, url: str, pct: float, groups: set[int], stack: Stack | None = None,
+                **extra: Any) -> dict[str, Any]:
+        a = self.args
+        rate = self.capacity * pct / 100
+        cpu0, m0, t0 = cpu_seconds(groups), batch_metrics(stack) if stack else None, time.monotonic()
+        result = load(url, rate, a.duration, a.timeout_ms, self.out / f"{name}.requests.json", **extra)
+        wall, cpu1 = time.monotonic() - t0, cpu_seconds(groups)
+        summary = result["summary"]
+        summary.update(name=name, offered_pct=pct, wall_s=round(wall, 2),
+                       cpu_ms_per_request=round((cpu1 - cpu0) * 1000 / max(summary["sent"], 1), 3))
+        if stack is not None and m0 is not None:
+            m1 = batch_metrics(stack)
+            batches, items = m1["batches"] - m0["batches"], m1["items"] - m0["items"]
+            summary["batches"] = int(batches)
+            summary["batch_fill"] = round(items / (batches * a.max_batch), 3) if batches else None
+            summary["device_idle_fraction"] = round(1 - (m1["busy_s"] - m0["busy_s"]) / (wall * a.workers), 3)
+            summary["batch_size_buckets"] = {k: m1["buckets"].get(k, 0) - m0["buckets"].get(k, 0)
+                                             for k in m1["buckets"]}
+        print(f"  {name:<24} offered {rate:7.1f}/s  goodput {summary['goodput_rps']:7.1f}/s  "
+              f"p50 {summary['latency_ms']['p50']}  p99 {summary['latency_ms']['p99']}  "
+              f"statuses {summary['statuses']}  cpu {summary['cpu_ms_per_request']} ms/req", flush=True)
+        self.results[name] = summary
+        return summary
+
+    def run_system(self) -> None:
+        a = self.args
+        stack = self.start_system()
+        try:
+            groups = {p.pid for p in stack.procs.values()}
+            self.measure("warm-up", stack.url, 20, groups, stack)
+            for pct in a.loads:
+                self.measure(f"system-{pct:g}%", stack.url, pct, groups, stack)
+            if a.smoke:
+                return
+            self.measure("poison-1-in-1000", stack.url, 50, groups, stack, poison_every=1000,
+                         poison_marker=POISON)
+            if a.workers > 1:
+                self.fault(stack)
+        finally:
+            stack.close()
+
+    def fault(self, stack: Stack) -> None:
+        """SIGKILL one worker in the middle of a run at 60% of capacity."""
+        a = self.args
+        out = self.out / "fault.requests.json"
+        argv = [*LOAD, "--url", stack.url, "--rate", str(self.capacity * 0.6), "--duration", str(a.duration),
+                "--timeout-ms", str(a.timeout_ms), "--out", str(out)]
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        time.sleep(a.duration / 2)
+        killed_at = a.duration / 2
+        stack.kill("gpu0", sig=signal.SIGKILL)
+        proc.wait(timeout=a.duration + 120)
+        result = json.loads(out.read_text())["summary"]
+        result.update(name="fault-sigkill-worker", offered_pct=60, killed_at_s=killed_at)
+        self.results["fault-sigkill-worker"] = result
+        print(f"  fault-sigkill-worker     statuses {result['statuses']}  p99 {result['latency_ms']['p99']}")
+
+    def run_reference(self) -> None:
+        a = self.args
+        port = free_port()
+        proc = subprocess.Popen([PYTHON, str(ROOT / "bench" / "reference.py"), "--port", str(port), "--devices",
+                                 str(a.workers), "--batch-ms", str(a.batch_ms), "--max-batch-size",
+                                 str(a.max_batch), "--max-wait-ms", str(a.max_wait_ms)], start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            wait_for(lambda: _port_open(port), 20, "the reference server")
+            for pct in a.ref_loads:
+                self.measure(f"reference-{pct:g}%", url, pct, {proc.pid})
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=10)
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+# -- the report -----------------------------------------------------------------------------------------
+def targets(bench: Bench) -> list[tuple[str, str, str, bool | None]]:
+    """(target, limit, measured, met) for each target of the benchmark."""
+    a, r = bench.args, bench.results
+    rows: list[tuple[str, str, str, bool | None]] = []
+    light, ref_light = r.get(f"system-{a.loads[0]:g}%"), r.get(f"reference-{a.ref_loads[0]:g}%")
+    if light and ref_light and light["latency_ms"]["p50"] and ref_light["latency_ms"]["p50"]:
+        extra = light["latency_ms"]["p50"] - ref_light["latency_ms"]["p50"]
+        rows.append(("light-load p50 overhead over the reference", "≤ 10 ms", f"{extra:.1f} ms", extra <= 10))
+    if (s90 := r.get("system-90%")) is not None:
+        rows.append(("90% load: answered 200", "≥ 99%", f"{100 * (s90['ok_fraction'] or 0):.2f}%",
+                     (s90["ok_fraction"] or 0) >= 0.99))
+        p99 = s90["latency_ms"]["p99"]
+        rows.append(("90% load: p99 latency", f"≤ {3 * a.batch_ms:g} ms (3 × batch)", f"{p99} ms",
+                     p99 is not None and p99 <= 3 * a.batch_ms))
+        rows.append(("CPU per request, all processes (90% load)", "≤ 2 ms", f"{s90['cpu_ms_per_request']} ms",
+                     s90["cpu_ms_per_request"] <= 2))
+    if (s150 := r.get("system-150%")) is not None:
+        share = s150["goodput_rps"] / bench.capacity
+        rows.append(("150% load: goodput", "≥ 95% of capacity", f"{100 * share:.1f}%", share >= 0.95))
+        fill = s150.get("batch_fill")
+        rows.append(("150% load: batch fill", "≥ 95%", f"{100 * fill:.1f}%" if fill else "-",
+                     fill is not None and fill >= 0.95))
+        p99_429 = s150["refused_latency_ms"]["p99"]
+        rows.append(("150% load: 429 latency p99", "< 20 ms", f"{p99_429} ms" if p99_429 else "no 429",
+                     None if p99_429 is None else p99_429 < 20))
+        rows.append(("150% load: device idle", "(reported)", f"{100 * s150.get('device_idle_fraction', 0):.1f}%",
+                     None))
+    late = sum(v.get("late_over_100ms", 0) for k, v in r.items() if k.startswith(("system", "poison", "fault")))
+    rows.append(("callers answered > 100 ms after their deadline", "0", str(late), late == 0))
+    return rows
+
+
+def machine() -> str:
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor())
+    system = f"{platform.system()} {platform.release()}"
+    return f"{os.cpu_count()} cores ({model}), {system}, Python {platform.python_version()}"
+
+
+def write_report(bench: Bench, plots: bool) -> None:
+    a, out = bench.args, bench.out
+    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+              "config": {k: v for k, v in vars(a).items() if k != "out"}, "capacity_rps": bench.capacity,
+              "scenarios": bench.results,
+              "targets": [{"target": t, "limit": lim, "measured": m, "met": ok} for t, lim, m, ok in targets(bench)]}
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    lines = [f"# Benchmark, {report['date'][:10]}", "",
+             f"Machine: {report['machine']}. System: {a.workers} sim worker(s), {a.batch_ms:g} ms per batch of up "
+             f"to {a.max_batch}, max wait {a.max_wait_ms:g} ms, {a.web_workers} gunicorn process(es); capacity "
+             f"**{bench.capacity:g} requests/s**. Each point: {a.duration:g} s of Poisson arrivals, deadline "
+             f"{a.timeout_ms} ms. The load generator runs on the same machine.", "",
+             "| scenario | offered/s | goodput/s | 200 | other answers | p50 ms | p90 ms | p99 ms | 429 p99 ms "
+             "| batch fill | device idle | CPU ms/req |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for name, s in bench.results.items():
+        if name == "warm-up":
+            continue
+        others = ", ".join(f"{k}: {v}" for k, v in s["statuses"].items() if k != "200") or "-"
+        fill = f"{100 * s['batch_fill']:.0f}%" if s.get("batch_fill") is not None else "-"
+        idle = f"{100 * s['device_idle_fraction']:.0f}%" if s.get("device_idle_fraction") is not None else "-"
+        lines.append(f"| {name} | {s['offered_rps']:g} | {s['goodput_rps']:g} | {s['statuses'].get('200', 0)} | "
+                     f"{others} | {s['latency_ms']['p50']} | {s['latency_ms']['p90']} | {s['latency_ms']['p99']} | "
+                     f"{s['refused_latency_ms']['p99'] or '-'} | {fill} | {idle} | "
+                     f"{s.get('cpu_ms_per_request', '-')} |")
+    lines += ["", "| target | limit | measured | met |", "|---|---|---|---|"]
+    for t, lim, m, ok in targets(bench):
+        lines.append(f"| {t} | {lim} | {m} | {'yes' if ok else 'no' if ok is not None else '-'} |")
+    (out / "summary.md").write_text("\n".join(lines) + "\n")
+    if plots:
+        from bench.plots import draw
+
+        draw(report, out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--batch-ms", type=float, default=1000.0)
+    ap.add_argument("--max-batch", type=int, default=100)
+    ap.add_argument("--max-wait-ms", type=float, default=20.0)
+    ap.add_argument("--web-workers", type=int, default=2)
+    ap.add_argument("--duration", type=float, default=20.0, help="seconds of arrivals per scenario")
+    ap.add_argument("--timeout-ms", type=int, default=4000, help="deadline of every request")
+    ap.add_argument("--loads", type=float, nargs="+", default=[10, 50, 90, 150, 300],
+                    help="offered load, percent of capacity")
+    ap.add_argument("--ref-loads", type=float, nargs="+", default=[10, 50, 90, 150])
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
+    ap.add_argument("--smoke", action="store_true", help="a few seconds: two loads, no fault scenarios")
+    ap.add_argument("--no-plots", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        args.duration, args.loads, args.ref_loads = min(args.duration, 2.0), [10, 90], [10]
+        if args.out == ROOT / "bench" / "results" / "latest":
+            args.out = Path(tempfile.mkdtemp(prefix="llmb-bench-"))
+    args.out.mkdir(parents=True, exist_ok=True)
+    bench = Bench(args, args.out)
+    print(f"capacity {bench.capacity:g} requests/s; results in {args.out}", flush=True)
+    bench.run_reference()
+    bench.run_system()
+    write_report(bench, plots=not args.no_plots)
+    print((args.out / "summary.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
