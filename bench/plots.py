@@ -12,7 +12,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def _sweep(report: dict[str, Any], prefix: str) -> list[dict[str, Any]]:
-    rows = [s for name, s in report["scenarios"].items() if name.startswith(prefix)]
+    rows = [s for name, s in report["scenarios"].items() if name.startswith(prefix) and "offered_pct" in s]
     return sorted(rows, key=lambda s: s["offered_pct"])
 
 

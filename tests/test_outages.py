@@ -1,0 +1,73 @@
+"""Redis going away and coming back, on a Redis server of this test's own (the shared one stays up)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.helpers import assert_json_error, expected, post
+from tests.stack import Stack, free_port, wait_for
+
+
+class PrivateRedis:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        wait_for(lambda: _ping(self.port), 10, "the private Redis")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+def _ping(port: int) -> bool:
+    import redis
+
+    try:
+        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
+    except redis.RedisError:
+        return False
+
+
+@pytest.fixture
+def outage_stack(tmp_path: Path) -> Iterator[tuple[Stack, PrivateRedis]]:
+    private = PrivateRedis(free_port())
+    private.start()
+    stack = Stack(tmp_path, redis_url=f"redis://127.0.0.1:{private.port}/0", heartbeat_interval_s=0.25)
+    try:
+        stack.start_worker(0)
+        stack.start_batcher()
+        stack.start_web(workers=1)
+        stack.wait_ready(workers=1)
+        yield stack, private
+    finally:
+        private.stop()
+        stack.close()
+
+
+def test_redis_down_means_fast_503s_and_service_resumes_when_it_is_back(
+        outage_stack: tuple[Stack, PrivateRedis]) -> None:
+    stack, private = outage_stack
+    assert post(stack.url, {"input": "before"}).json()["output"] == expected("before")
+    private.stop()
+    started = time.monotonic()
+    assert_json_error(post(stack.url, {"input": "during", "timeout_ms": 20_000}), 503, "unavailable")
+    assert time.monotonic() - started < 5, "no hang while Redis is away"
+    assert_json_error(requests.get(stack.url + "/readyz", timeout=10), 503)
+    private.start()  # an empty Redis: workers re-announce themselves with their next heartbeats
+    wait_for(lambda: requests.get(stack.url + "/readyz", timeout=5).status_code == 200, 30, "readiness again")
+    r = post(stack.url, {"input": "after", "timeout_ms": 20_000})
+    assert r.status_code == 200, r.text
+    assert r.json()["output"] == expected("after")
