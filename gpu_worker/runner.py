@@ -18,7 +18,7 @@ from typing import Any
 import redis
 from celery.exceptions import Reject
 
-from gpu_worker.backends import Backend
+from gpu_worker.backends import Backend, ItemError
 from tasks.claims import Claims
 from tasks.fleet import BatchEvent
 from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
@@ -114,7 +114,7 @@ class BatchRunner:
         self.state.started(started_at)
         self.announce(BatchEvent(self.worker_id, batch.id, "started"))
         try:
-            outputs = self.backend.run([i.input for i in live])
+            outputs = self.backend.run([i.input for i in live], [i.params for i in live])
             if len(outputs) != len(live):
                 raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(live)} inputs")
         except Exception as exc:  # the model is a black box: any failure sends the batch back for isolation
@@ -131,8 +131,10 @@ class BatchRunner:
 
         run_ms = (time.monotonic() - t0) * 1000
         self.state.finished(run_ms)
-        results = [ItemResult(output=o, batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
-                              started_at=started_at, run_ms=round(run_ms, 3)) for o in outputs]
+        common: dict[str, Any] = dict(batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
+                                      started_at=started_at, run_ms=round(run_ms, 3))
+        results = [ItemResult(error=o.type, message=o.message, **common) if isinstance(o, ItemError)
+                   else ItemResult(output=o, **common) for o in outputs]
         self._write(list(zip(live, results)), batch.id, lambda pipe: self.observe(pipe, len(live), run_ms / 1000))
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(),
                                  round(run_ms, 3)))

@@ -101,7 +101,8 @@ class Batcher:
         for item in request.items:
             entry = _Entry(
                 BatchItem(id=item.id, request_id=request.id, input=item.input, deadline=request.deadline,
-                          accepted_at=request.accepted_at, reply_to=request.reply_to, tenant=request.tenant),
+                          accepted_at=request.accepted_at, reply_to=request.reply_to, tenant=request.tenant,
+                          params=request.params),
                 delivery,
             )
             buffer.add(entry, now=now, deadline=request.deadline + offset)

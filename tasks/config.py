@@ -20,6 +20,8 @@ class Settings:
     namespace: str = "llmb"
     database_url: str = "sqlite:///var/llmb.db"
     default_model: str = "sim"
+    served_name: str = ""
+    max_tokens_cap: int = 1024
 
     max_batch_size: int = 100
     max_wait_ms: float = 20.0
@@ -113,6 +115,8 @@ DOCS: dict[str, str] = {
     "namespace": "Prefix of every queue name and Redis key; lets several systems share one broker and Redis.",
     "database_url": "SQLAlchemy URL of the outcome ledger (SQLite file by default).",
     "default_model": "Model used when a request names none.",
+    "served_name": "Name a GPU worker serves its model under (default: the hub id, or a local folder's name).",
+    "max_tokens_cap": "Largest max_tokens a completion request may ask for.",
     "max_batch_size": "A batch is flushed as soon as it holds this many items.",
     "max_wait_ms": "...or when its first item has waited this long.",
     "batcher_prefetch": "Request messages the batcher may hold unacknowledged (its buffer bound).",

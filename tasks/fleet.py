@@ -26,6 +26,8 @@ class WorkerInfo:
     batch_ms_estimate: float  # moving average of batch run time
     heartbeat_at: float
     free_in_ms: float = 0.0  # estimated time until the running batch ends
+    kind: str = "sim"  # "sim", "causal" or "embed"
+    max_context: int = 0  # tokens per item (prompt + output), 0 when it does not apply
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

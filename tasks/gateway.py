@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import redis
 from amqp.exceptions import AMQPError
@@ -20,6 +21,7 @@ from tasks.errors import (
     BatchingError,
     DeadlineExceeded,
     InferenceFailed,
+    InvalidInput,
     PoisonInput,
     QueueFull,
     RetriesExhausted,
@@ -36,6 +38,7 @@ BROKER_ERRORS = (KombuError, AMQPError, OSError)
 
 # Error types a worker or the batcher writes into an item's result, and what the caller gets for each.
 _ERRORS: dict[str, type[BatchingError]] = {
+    InvalidInput.type: InvalidInput,
     PoisonInput.type: PoisonInput,
     RetriesExhausted.type: RetriesExhausted,
     InferenceFailed.type: InferenceFailed,
@@ -51,6 +54,7 @@ class Call:
     model: str
     inputs: tuple[str, ...]
     timeout_ms: int
+    params: dict[str, Any] = field(default_factory=dict)  # model parameters, passed to the worker as they are
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,7 @@ class Gateway:
         request = InferenceRequest(
             id=call.request_id, tenant=call.tenant, model=call.model, items=items,
             accepted_at=accepted_at, deadline=accepted_at + call.timeout_ms / 1000, reply_to=self.reply_to,
+            params=call.params,
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
         try:

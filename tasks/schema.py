@@ -7,7 +7,7 @@ before any policy sees them.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -36,6 +36,7 @@ class InferenceRequest:
     accepted_at: float
     deadline: float
     reply_to: str  # Redis channel of the API process holding the connection
+    params: dict[str, Any] = field(default_factory=dict)  # model parameters (max_tokens, temperature, ...)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -50,6 +51,7 @@ class InferenceRequest:
             return cls(
                 id=str(d["id"]), tenant=str(d["tenant"]), model=str(d["model"]), items=items,
                 accepted_at=float(d["accepted_at"]), deadline=float(d["deadline"]), reply_to=str(d["reply_to"]),
+                params=dict(d.get("params") or {}),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed request message: {exc!r}") from None
@@ -67,6 +69,7 @@ class BatchItem:
     reply_to: str
     tenant: str = "default"
     retries: int = 0  # times re-dispatched because its worker was lost before running it
+    params: dict[str, Any] = field(default_factory=dict)
 
 
 class Failure(StrEnum):

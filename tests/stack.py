@@ -67,8 +67,10 @@ class Stack:
         """Heartbeats by worker id, as the workers wrote them."""
         return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(f"{self.namespace}:fleet").items()}
 
-    def start_worker(self, device: int, **env: object) -> subprocess.Popen[bytes]:
-        return self._spawn(f"gpu{device}", [str(BIN / "gpu-worker"), "--gpu", str(device), "--host", "test"], **env)
+    def start_worker(self, device: int, backend: str = "sim", model: str | None = None,
+                     **env: object) -> subprocess.Popen[bytes]:
+        argv = [str(BIN / "gpu-worker"), "--gpu", str(device), "--host", "test", "--backend", backend]
+        return self._spawn(f"gpu{device}", argv + (["--model", model] if model else []), **env)
 
     def start_batcher(self, name: str = "batcher", **env: object) -> subprocess.Popen[bytes]:
         return self._spawn(name, [str(BIN / "llmb-batcher"), "--hostname", f"{name}.{self.namespace}@test"], **env)

@@ -18,10 +18,12 @@ from tasks.gateway import Answer, Gateway
 from tasks.logs import setup_logging
 from tasks.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
 from tasks.queues import RequestPublisher
+from webapp import openai_api
 from webapp.errors import register_error_handlers
 from webapp.validation import parse_infer, request_id_from
 
 log = logging.getLogger("llmb.web")
+OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 
 
 def create_app(settings: Settings | None = None) -> Flask:
@@ -46,11 +48,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     @app.after_request
     def _account(response: Response) -> Response:
         response.headers["X-Request-Id"] = g.get("request_id", "")
-        if request.path == "/v1/infer":
+        if request.path == "/v1/infer" or request.path.startswith(OPENAI_PATHS):
             log_outcome(response)
         return response
 
     register_error_handlers(app)
+    app.register_blueprint(openai_api.bp)
     app.add_url_rule("/v1/infer", view_func=infer, methods=["POST"])
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)

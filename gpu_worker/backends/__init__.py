@@ -1,25 +1,45 @@
 """Model backends: the model is a black box that maps N inputs to N outputs, in order.
 
 Backends are looked up by name so that heavy ones (torch, transformers) are imported only by the workers
-that use them.
+that use them. An output may be an :class:`ItemError` for one input the model cannot take (a prompt longer
+than its context): that item is answered with the error and the rest of the batch goes on.
 """
 from __future__ import annotations
 
-from typing import Any, Protocol, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from tasks.config import Settings
+
+KINDS = ("sim", "hf-causal", "hf-embed")
+
+
+@dataclass(frozen=True)
+class ItemError:
+    type: str  # an error type the API maps to a status, e.g. "invalid_request"
+    message: str
 
 
 class Backend(Protocol):
     name: str  # the model name this backend serves; requests are routed by it
+    kind: str  # "sim", "causal" or "embed": which API endpoints it can answer
     max_batch: int  # most inputs one run() takes
+    max_context: int  # most tokens per item (prompt and output); 0 when it does not apply
 
-    def run(self, inputs: Sequence[str]) -> list[Any]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[Any]:
         """Outputs for ``inputs``: same length, same order. Raise on failure; never return a partial list."""
         ...
 
 
-def load_backend(kind: str, settings: Settings, model: str | None = None) -> Backend:
+def device_for(gpu: int) -> str:
+    """The device a worker pinned with CUDA_VISIBLE_DEVICES uses: its one GPU, or the CPU."""
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: int = 0) -> Backend:
     """Build and warm up a backend; raises ValueError with the list of kinds for an unknown one."""
     if kind == "sim":
         from gpu_worker.backends.sim import SimBackend
@@ -27,4 +47,26 @@ def load_backend(kind: str, settings: Settings, model: str | None = None) -> Bac
         return SimBackend(name=model or "sim", batch_ms=settings.sim_batch_ms, item_ms=settings.sim_item_ms,
                           max_batch=settings.sim_max_batch, raise_on=settings.sim_raise_on,
                           kill_on=settings.sim_kill_on)
-    raise ValueError(f"unknown backend {kind!r}; available: sim")
+    if kind == "hf-embed":
+        from gpu_worker.backends.hf_embed import HFEmbedBackend, default_model_path
+
+        path = model or default_model_path()
+        return HFEmbedBackend(name=settings.served_name or _name_of(model, "all-MiniLM-L6-v2"), path=path,
+                              device=device_for(gpu), max_batch=settings.max_batch_size)
+    if kind == "hf-causal":
+        if not model:
+            raise ValueError("--backend hf-causal needs --model (a hub id such as Qwen/Qwen2.5-0.5B-Instruct, "
+                             "or a local folder)")
+        from gpu_worker.backends.hf_causal import HFCausalBackend
+
+        return HFCausalBackend(name=settings.served_name or _name_of(model, model), path=model,
+                               device=device_for(gpu), max_batch=settings.max_batch_size,
+                               max_tokens_cap=settings.max_tokens_cap)
+    raise ValueError(f"unknown backend {kind!r}; available: {', '.join(KINDS)}")
+
+
+def _name_of(model: str | None, default: str) -> str:
+    """A hub id names itself; a local folder is named after its last part."""
+    if not model:
+        return default
+    return model.rstrip("/").split("/")[-1] if model.startswith(("/", ".")) else model

@@ -14,8 +14,9 @@ import hashlib
 import os
 import signal
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any
 
 
 def sim_output(text: str) -> str:
@@ -31,8 +32,10 @@ class SimBackend:
     max_batch: int = 100
     raise_on: str = ""
     kill_on: str = ""
+    kind: str = "sim"
+    max_context: int = 0
 
-    def run(self, inputs: Sequence[str]) -> list[str]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[str]:
         if len(inputs) > self.max_batch:
             raise ValueError(f"batch of {len(inputs)} exceeds the simulated device's {self.max_batch}")
         time.sleep((self.batch_ms + self.item_ms * len(inputs)) / 2000)

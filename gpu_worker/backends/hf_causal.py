@@ -1,0 +1,150 @@
+"""Text generation with any Hugging Face causal LM: batched, left-padded ``generate()``.
+
+Each item carries its own parameters (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, and
+``chat`` when its input is a JSON list of chat messages for the model's chat template). Items that decode
+alike (all greedy, or the same temperature, top_p and seed) run as one padded batch; a per-row stopping
+criterion ends each row at its own ``max_tokens`` or stop sequence, so a short request does not wait for
+a long one to be decided. Greedy outputs are the same whether a request ran alone or in a batch of 100.
+bf16 on a GPU, fp32 on the CPU.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+
+from gpu_worker.backends import ItemError
+
+
+@dataclass
+class _Row:
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: list[str]
+
+
+class _PerRowStop(StoppingCriteria):
+    """Ends each row at its own token budget or stop sequence (transformers accepts a per-row answer)."""
+
+    def __init__(self, rows: list[_Row], prompt_len: int, tokenizer: Any) -> None:
+        self.rows = rows
+        self.prompt_len = prompt_len
+        self.tokenizer = tokenizer
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
+        generated = input_ids.shape[1] - self.prompt_len
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for r, row in enumerate(self.rows):
+            if generated >= row.max_tokens:
+                done[r] = True
+            elif row.stop:
+                text = self.tokenizer.decode(input_ids[r, self.prompt_len:], skip_special_tokens=True)
+                done[r] = any(s in text for s in row.stop)
+        return done  # type: ignore[return-value]
+
+
+class HFCausalBackend:
+    kind = "causal"
+
+    def __init__(self, name: str, path: str, device: str, max_batch: int, max_tokens_cap: int) -> None:
+        self.name = name
+        self.max_batch = max_batch
+        self.max_tokens_cap = max_tokens_cap
+        self.device = torch.device(device)
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer.padding_side = "left"
+        if self.tokenizer.pad_token_id is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()  # type: ignore[arg-type]
+        config = self.model.config
+        self.max_context = int(getattr(config, "max_position_embeddings", 2048) or 2048)
+        self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.run(["warm-up"], [{"max_tokens": 2, "temperature": 0}])
+
+    # -- prompts -------------------------------------------------------------------------------------
+    def prompt_text(self, text: str, params: Mapping[str, Any]) -> str:
+        if not params.get("chat"):
+            return text
+        messages = json.loads(text)
+        if getattr(self.tokenizer, "chat_template", None):
+            rendered = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return str(rendered)
+        # a model without a chat template: a plain transcript it can continue
+        return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant:"
+
+    def count_tokens(self, text: str) -> int:
+        return len(self.tokenizer(text)["input_ids"])
+
+    # -- the batch -----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[Any]:
+        params = params or [{} for _ in inputs]
+        outputs: list[Any] = [None] * len(inputs)
+        groups: dict[tuple[Any, ...], list[_Row]] = {}
+        for i, (text, p) in enumerate(zip(inputs, params)):
+            try:
+                ids = self.tokenizer(self.prompt_text(text, p))["input_ids"]
+            except (ValueError, KeyError, TypeError) as exc:
+                outputs[i] = ItemError("invalid_request", f"cannot build the prompt: {exc}")
+                continue
+            max_tokens = int(p.get("max_tokens") or 16)
+            if len(ids) + max_tokens > self.max_context:
+                outputs[i] = ItemError("invalid_request", f"the prompt has {len(ids)} tokens and max_tokens is "
+                                       f"{max_tokens}: more than this model's context of {self.max_context}")
+                continue
+            stop = p.get("stop") or []
+            row = _Row(i, ids, max_tokens, [stop] if isinstance(stop, str) else list(stop))
+            temperature = float(p.get("temperature", 1.0) if p.get("temperature") is not None else 1.0)
+            key = ("greedy",) if temperature == 0 else ("sample", temperature, float(p.get("top_p") or 1.0),
+                                                        p.get("seed"))
+            groups.setdefault(key, []).append(row)
+        for key, rows in groups.items():
+            for start in range(0, len(rows), self.max_batch):
+                self._generate(key, rows[start:start + self.max_batch], outputs)
+        return outputs
+
+    def _generate(self, key: tuple[Any, ...], rows: list[_Row], outputs: list[Any]) -> None:
+        width = max(len(r.prompt_ids) for r in rows)
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows],
+                                 device=self.device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in rows],
+                            device=self.device)
+        sampling: dict[str, Any] = {"do_sample": False}
+        if key[0] == "sample":
+            _, temperature, top_p, seed = key
+            sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p}
+            if seed is not None:
+                torch.manual_seed(int(seed))
+        generated = self.model.generate(
+            input_ids=input_ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in rows),
+            pad_token_id=pad, eos_token_id=self.eos_ids, stopping_criteria=StoppingCriteriaList(
+                [_PerRowStop(rows, width, self.tokenizer)]), **sampling)
+        for r, row in enumerate(rows):
+            tokens = generated[r, width:].tolist()[:row.max_tokens]
+            finish = "length"
+            for n, token in enumerate(tokens):
+                if token in self.eos_ids:
+                    tokens, finish = tokens[:n], "stop"
+                    break
+            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            cut = min((text.index(s) for s in row.stop if s in text), default=None)
+            if cut is not None:
+                text, finish = text[:cut], "stop"
+                tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            outputs[row.index] = {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
+                                  "completion_tokens": len(tokens)}
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    ids = eos if isinstance(eos, list) else [eos]
+    return [int(i) for i in ids if i is not None]

@@ -1,0 +1,119 @@
+"""OpenAI-compatible endpoints, so the official `openai` client and the tools built on it work unchanged.
+
+    POST /v1/completions   POST /v1/chat/completions   POST /v1/embeddings   GET /v1/models
+
+Requests go through the same gateway as /v1/infer (admission, batching, deadlines); errors use OpenAI's
+shape, ``{"error": {"message", "type", "param", "code"}}``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from tasks.config import Settings
+from tasks.errors import BatchingError, InvalidInput
+from tasks.gateway import Call, Gateway
+from webapp.openai_schema import (
+    chat_response,
+    completion_response,
+    embeddings_response,
+    parse_chat,
+    parse_completion,
+    parse_embeddings,
+)
+
+bp = Blueprint("openai", __name__)
+
+OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error", 504: "timeout"}
+KIND_FOR = {"completions": ("causal",), "chat": ("causal",), "embeddings": ("embed",)}
+
+
+class ModelNotFound(BatchingError):
+    """Raised when no live worker serves the model an OpenAI request names."""
+
+    status = 404
+    type = "model_not_found"
+
+
+def openai_error(status: int, code: str, message: str, retry_after_s: int | None = None) -> Response:
+    g.error_type = code
+    response = jsonify(error={"message": message, "type": OPENAI_TYPES.get(status, "server_error"),
+                              "param": None, "code": code})
+    response.status_code = status
+    if retry_after_s is not None:
+        response.headers["Retry-After"] = str(retry_after_s)
+    return response
+
+
+@bp.errorhandler(BatchingError)
+def _batching_error(exc: BatchingError) -> Response:
+    return openai_error(exc.status, exc.type, exc.message, exc.retry_after_s)
+
+
+@bp.errorhandler(HTTPException)
+def _http_error(exc: HTTPException) -> Response:
+    status = exc.code or 500
+    message = "the body is not valid JSON" if status == 400 else (exc.description or exc.name)
+    return openai_error(status, "invalid_request" if status == 400 else exc.name.lower().replace(" ", "_"),
+                        message)
+
+
+def _gateway() -> Gateway:
+    return current_app.extensions["llmb"]  # type: ignore[no-any-return]
+
+
+def _settings() -> Settings:
+    return current_app.extensions["llmb_settings"]  # type: ignore[no-any-return]
+
+
+def _tenant() -> str:
+    return request.headers.get("X-Tenant") or "default"
+
+
+def _run(call: Call, endpoint: str) -> Any:
+    kinds = {w.model: w.kind for w in _gateway().live_workers()}
+    if call.model not in kinds:
+        served = ", ".join(sorted(kinds)) or "none"
+        raise ModelNotFound(f"the model {call.model!r} is not served here (models served now: {served})")
+    if kinds[call.model] not in KIND_FOR[endpoint]:
+        raise InvalidInput(f"the model {call.model!r} is a {kinds[call.model]} model; it cannot serve "
+                           f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}")
+    answer = _gateway().submit(call)
+    g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
+    return answer.results
+
+
+def _no_stream(stream: bool) -> None:
+    if stream:
+        raise InvalidInput("stream=true is not supported yet: ask without it")
+
+
+@bp.post("/v1/completions")
+def completions() -> Response:
+    call, stream = parse_completion(request.get_json(force=True), _settings(), g.request_id, _tenant())
+    _no_stream(stream)
+    return jsonify(completion_response(call.request_id, call.model, _run(call, "completions")))
+
+
+@bp.post("/v1/chat/completions")
+def chat_completions() -> Response:
+    call, stream = parse_chat(request.get_json(force=True), _settings(), g.request_id, _tenant())
+    _no_stream(stream)
+    return jsonify(chat_response(call.request_id, call.model, _run(call, "chat")))
+
+
+@bp.post("/v1/embeddings")
+def embeddings() -> Response:
+    call, encoding = parse_embeddings(request.get_json(force=True), _settings(), g.request_id, _tenant())
+    return jsonify(embeddings_response(call.model, _run(call, "embeddings"), encoding))
+
+
+@bp.get("/v1/models")
+def models() -> Response:
+    served = sorted({w.model for w in _gateway().live_workers()})
+    return jsonify(object="list", data=[{"id": m, "object": "model", "created": 0, "owned_by": "llm-batcher"}
+                                        for m in served])
+
