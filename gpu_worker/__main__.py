@@ -46,6 +46,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     import redis
 
     from gpu_worker.backends import load_backend
+    from gpu_worker.cancellations import Cancellations
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
@@ -85,6 +86,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         give_back=GiveBack(app, settings.recovery_queue, worker_id),
         record=ledger.record,
         observe=lambda pipe, size, run_s: observe_batch(pipe, settings, size, run_s),
+        cancelled=Cancellations(client, settings.key("cancel")),
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,

@@ -12,18 +12,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from typing import Any
 
 import redis
 from celery.exceptions import Reject
 
-from gpu_worker.backends import Backend, ItemError
+from gpu_worker.backends import Backend, Hooks, ItemError
 from tasks.claims import Claims
 from tasks.fleet import BatchEvent
 from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
-from tasks.results import ResultWriter
-from tasks.schema import Batch, Failure, ItemResult
+from tasks.results import ResultWriter, publish_deltas
+from tasks.schema import Batch, BatchItem, Failure, ItemResult
 
 log = logging.getLogger("llmb.worker")
 
@@ -64,7 +64,8 @@ class BatchRunner:
     def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState, *,
                  announce: Callable[[BatchEvent], None], claims: Claims, give_back: GiveBack,
                  record: Callable[[LedgerEvent], None],
-                 observe: Callable[[Any, int, float], None] = lambda pipe, size, run_s: None) -> None:
+                 observe: Callable[[Any, int, float], None] = lambda pipe, size, run_s: None,
+                 cancelled: Container[str] = frozenset()) -> None:
         self.backend = backend
         self.writer = writer
         self.worker_id = worker_id
@@ -74,6 +75,7 @@ class BatchRunner:
         self.give_back = give_back
         self.record = record
         self.observe = observe  # adds a batch to the metrics, inside the results pipeline
+        self.cancelled = cancelled  # item ids whose callers went away
 
     def run(self, batch: Batch) -> dict[str, Any]:
         """Run the batch and write its results; the batchers hear when it starts and when it is done."""
@@ -114,7 +116,7 @@ class BatchRunner:
         self.state.started(started_at)
         self.announce(BatchEvent(self.worker_id, batch.id, "started"))
         try:
-            outputs = self.backend.run([i.input for i in live], [i.params for i in live])
+            outputs = self.backend.run([i.input for i in live], [i.params for i in live], self._hooks(live))
             if len(outputs) != len(live):
                 raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(live)} inputs")
         except Exception as exc:  # the model is a black box: any failure sends the batch back for isolation
@@ -141,6 +143,17 @@ class BatchRunner:
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
                  extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
         return {**summary, "run_ms": round(run_ms, 1)}
+
+    def _hooks(self, live: tuple[BatchItem, ...]) -> Hooks:
+        """Streaming and cancellation for generating backends, by position in the batch."""
+        def stream(deltas: list[tuple[int, str]]) -> None:
+            try:
+                publish_deltas(self.writer.client, [(live[p].reply_to, live[p].id, text) for p, text in deltas])
+            except redis.RedisError as exc:  # the final result still carries the whole text
+                log.warning("could not stream text: %s", exc)
+
+        return Hooks(streaming={p for p, i in enumerate(live) if i.params.get("stream")}, stream=stream,
+                     cancelled=lambda p: live[p].id in self.cancelled)
 
     def _hand_back(self, batch: Batch, failure: Failure, error: str) -> None:
         """Give the batch back to the batchers; if that fails, requeue it so nothing is lost."""

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from collections.abc import Generator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import redis
@@ -43,6 +44,11 @@ _ERRORS: dict[str, type[BatchingError]] = {
     RetriesExhausted.type: RetriesExhausted,
     InferenceFailed.type: InferenceFailed,
 }
+
+
+def error_of(result: ItemResult) -> BatchingError:
+    """The caller-facing error for an item that a worker or the batcher answered with one."""
+    return _ERRORS.get(result.error or "", InferenceFailed)(result.message or "the model failed on this input")
 
 
 @dataclass(frozen=True)
@@ -103,9 +109,61 @@ class Gateway:
 
     def submit(self, call: Call) -> Answer:
         """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure."""
-        started = time.monotonic()
+        ids, deadline, accepted_at = self._enter(call)
+        found: dict[str, ItemResult] = {}
+        try:
+            found = self.listener.wait(ids, deadline)
+        except redis.RedisError as exc:
+            raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
+        finally:  # items with a result were released as they were read: release the rest
+            self._release([i for i in ids if i not in found])
+        if len(found) < len(ids):
+            self.cancel([i for i in ids if i not in found])
+            raise DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
+        results = tuple(found[i] for i in ids)
+        failed = next((r for r in results if r.error), None)
+        if failed is not None:
+            raise error_of(failed)
+        return Answer(results=results, accepted_at=accepted_at)
+
+    def stream(self, call: Call) -> Generator[tuple[str, Any], None, None]:
+        """Admit and publish a one-input call now (so refusals raise here), then return its events:
+        ("delta", text) as the worker streams, then ("done", ItemResult) or ("error", BatchingError).
+        Closing the iterator early (the client went away) cancels the generation in the worker."""
+        if len(call.inputs) != 1:
+            raise InvalidInput("streaming takes exactly one prompt")
+        ids, deadline, _ = self._enter(replace(call, params={**call.params, "stream": True}))
+        return self._events(ids[0], deadline)
+
+    def _events(self, item_id: str, deadline: float) -> Generator[tuple[str, Any], None, None]:
+        finished = False
+        try:
+            for kind, value in self.listener.stream(item_id, deadline):
+                if kind == "delta":
+                    yield kind, value
+                elif kind == "done":
+                    finished = True
+                    yield ("error", error_of(value)) if value.error else ("done", value)
+                else:
+                    yield "error", DeadlineExceeded("no complete output before the deadline")
+        except redis.RedisError as exc:
+            yield "error", Unavailable(f"Redis is unreachable while streaming: {exc}")
+        finally:
+            if not finished:
+                self.cancel([item_id])
+                self._release([item_id])
+
+    def cancel(self, item_ids: list[str]) -> None:
+        """Tell the workers these callers are gone, so generation for them stops (best effort)."""
+        try:
+            self.client.publish(self.settings.key("cancel"), ",".join(item_ids))
+        except redis.RedisError:
+            pass
+
+    def _enter(self, call: Call) -> tuple[list[str], float, float]:
+        """Admit and publish a call; returns its item ids, monotonic deadline and acceptance time."""
+        deadline = time.monotonic() + call.timeout_ms / 1000
         accepted_at = time.time()
-        deadline_mono = started + call.timeout_ms / 1000
         items = tuple(Item(id=uuid.uuid4().hex, input=text) for text in call.inputs)
         ids = [i.id for i in items]
         request = InferenceRequest(
@@ -128,7 +186,6 @@ class Gateway:
                 "the service is full: no room to answer this request within its deadline; retry later",
                 retry_after_s=self.settings.retry_after_s,
             )
-        found: dict[str, ItemResult] = {}
         try:
             models = self.live_models()
             if call.model not in models:
@@ -139,21 +196,10 @@ class Gateway:
                 self.publisher.publish(request)
             except BROKER_ERRORS as exc:
                 raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
-            try:
-                found = self.listener.wait(ids, deadline_mono)
-            except redis.RedisError as exc:
-                raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
         except BaseException:
-            self._release([i for i in ids if i not in found])
+            self._release(ids)
             raise
-        if len(found) < len(ids):  # items with a result were released as they were read: release the rest
-            self._release([i for i in ids if i not in found])
-            raise DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
-        results = tuple(found[i] for i in ids)
-        failed = next((r for r in results if r.error), None)
-        if failed is not None:
-            raise _ERRORS.get(failed.error or "", InferenceFailed)(failed.message or "the model failed on this input")
-        return Answer(results=results, accepted_at=accepted_at)
+        return ids, deadline, accepted_at
 
     def _release(self, item_ids: list[str]) -> None:
         try:

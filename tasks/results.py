@@ -11,8 +11,8 @@ import json
 import logging
 import threading
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterable, Sequence
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import redis
@@ -63,11 +63,28 @@ class ResultWriter:
         self.client.set(done_key, DONE, ex=self.ttl_s)
 
 
+DELTAS = "D"  # first character of a pub/sub message carrying streamed text rather than finished item ids
+
+
+def publish_deltas(client: redis.Redis, deltas: Iterable[tuple[str, str, str]]) -> None:
+    """Stream text to waiting callers: (reply channel, item id, text) triples, one PUBLISH per channel."""
+    by_channel: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for channel, item_id, text in deltas:
+        by_channel[channel].append((item_id, text))
+    if by_channel:
+        pipe = client.pipeline(transaction=False)
+        for channel, pairs in by_channel.items():
+            pipe.publish(channel, DELTAS + json.dumps(pairs))
+        pipe.execute()
+
+
 class _Waiter:
-    __slots__ = ("event",)
+    __slots__ = ("event", "deltas", "ready")
 
     def __init__(self) -> None:
         self.event = threading.Event()
+        self.deltas: deque[str] = deque()  # streamed text not yet handed to the caller
+        self.ready = False  # a result was announced: read the keys
 
 
 class ResultListener:
@@ -128,6 +145,35 @@ class ResultListener:
             for item_id in item_ids:
                 self._waiters.pop(item_id, None)
 
+    def stream(self, item_id: str, deadline: float) -> Iterator[tuple[str, Any]]:
+        """Yield ("delta", text) as the worker streams it, then ("done", ItemResult) or ("timeout", None)."""
+        self.start()
+        waiter = _Waiter()
+        self._waiters[item_id] = waiter
+        next_check = time.monotonic() + self.recheck_s
+        try:
+            while True:
+                remaining = deadline - time.monotonic()
+                if remaining > 0 and not waiter.deltas and not waiter.ready:
+                    waiter.event.wait(min(remaining, max(0.0, next_check - time.monotonic())))
+                waiter.event.clear()
+                while waiter.deltas:
+                    yield "delta", waiter.deltas.popleft()
+                if waiter.ready or time.monotonic() >= next_check or remaining <= 0:
+                    waiter.ready = False
+                    next_check = time.monotonic() + self.recheck_s
+                    found = self.fetch([item_id])
+                    if item_id in found:
+                        while waiter.deltas:
+                            yield "delta", waiter.deltas.popleft()
+                        yield "done", found[item_id]
+                        return
+                    if remaining <= 0:
+                        yield "timeout", None
+                        return
+        finally:
+            self._waiters.pop(item_id, None)
+
     def fetch(self, item_ids: Sequence[str]) -> dict[str, ItemResult]:
         if not item_ids:
             return {}
@@ -138,6 +184,14 @@ class ResultListener:
         for item_id in item_ids:
             waiter = self._waiters.get(item_id)
             if waiter is not None:
+                waiter.ready = True
+                waiter.event.set()
+
+    def _deliver(self, pairs: list[list[str]]) -> None:
+        for item_id, text in pairs:
+            waiter = self._waiters.get(item_id)
+            if waiter is not None:
+                waiter.deltas.append(text)
                 waiter.event.set()
 
     def _listen(self) -> None:
@@ -149,7 +203,11 @@ class ResultListener:
                 while not self._stopping:
                     message = pubsub.get_message(timeout=1.0)
                     if message and message["type"] == "message":
-                        self._wake(message["data"].decode().split(","))
+                        data = message["data"].decode()
+                        if data.startswith(DELTAS):
+                            self._deliver(json.loads(data[1:]))
+                        else:
+                            self._wake(data.split(","))
             except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
                 log.warning("result listener lost Redis (%s); reconnecting", exc)
                 time.sleep(0.5)

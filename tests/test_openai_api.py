@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -103,3 +104,55 @@ def test_errors_come_back_in_openai_shape(client: "openai.OpenAI") -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=LM, messages=[{"role": "user"}])
     assert info.value.body["code"] == "invalid_request"  # type: ignore[index]
+
+
+def test_streamed_text_adds_up_to_the_whole_answer(client: "openai.OpenAI") -> None:
+    whole = client.completions.create(model=LM, prompt="the worker", max_tokens=12, temperature=0)
+    pieces = list(client.completions.create(model=LM, prompt="the worker", max_tokens=12, temperature=0,
+                                            stream=True))
+    assert "".join(p.choices[0].text for p in pieces) == whole.choices[0].text
+    assert pieces[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert len(pieces) >= 2
+
+
+def test_streamed_chat_in_openai_chunk_format(client: "openai.OpenAI") -> None:
+    messages = [{"role": "user", "content": "hello there"}]
+    whole = client.chat.completions.create(model=LM, messages=messages, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model=LM, messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason is not None
+
+
+def test_a_client_that_leaves_mid_stream_cancels_its_generation(models_stack: Stack,
+                                                               client: "openai.OpenAI") -> None:
+    import requests
+
+    pubsub = models_stack.redis.pubsub()
+    pubsub.subscribe(f"{models_stack.namespace}:cancel")
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        # keep the worker busy, so the streamed request is still waiting when its client leaves
+        busy = pool.submit(client.completions.create, model=LM, prompt=[f"busy {i}" for i in range(100)],
+                           max_tokens=64, temperature=0)
+        time.sleep(0.3)
+        with requests.post(models_stack.url + "/v1/completions", stream=True, timeout=30, json={
+                "model": LM, "prompt": "the cat", "max_tokens": 64, "temperature": 0, "stream": True}) as r:
+            assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        busy.result()
+    deadline, cancelled = time.monotonic() + 10, None
+    while time.monotonic() < deadline and cancelled is None:
+        message = pubsub.get_message(timeout=0.5)
+        if message and message["type"] == "message":
+            cancelled = message["data"]
+    assert cancelled, "leaving a stream publishes its item id on the cancel channel"
+
+
+def test_a_cancelled_row_stops_while_the_rest_of_its_batch_goes_on(tmp_path: Path) -> None:
+    from gpu_worker.backends import Hooks
+    from gpu_worker.backends.hf_causal import HFCausalBackend
+
+    backend = HFCausalBackend("tiny", str(build_tiny_llama(tmp_path / "m")), "cpu", 8, 64)
+    params = [{"max_tokens": 20, "temperature": 0}] * 2
+    out = backend.run(["the cat", "the mat"], params, Hooks(cancelled=lambda position: position == 0))
+    assert out[0]["completion_tokens"] <= 1 < out[1]["completion_tokens"]

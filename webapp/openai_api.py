@@ -7,9 +7,11 @@ shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
 from typing import Any
 
-from flask import Blueprint, Response, current_app, g, jsonify, request
+from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException
 
 from tasks.config import Settings
@@ -17,6 +19,7 @@ from tasks.errors import BatchingError, InvalidInput
 from tasks.gateway import Call, Gateway
 from webapp.openai_schema import (
     chat_response,
+    chunk,
     completion_response,
     embeddings_response,
     parse_chat,
@@ -74,6 +77,13 @@ def _tenant() -> str:
 
 
 def _run(call: Call, endpoint: str) -> Any:
+    _check_model(call, endpoint)
+    answer = _gateway().submit(call)
+    g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
+    return answer.results
+
+
+def _check_model(call: Call, endpoint: str) -> None:
     kinds = {w.model: w.kind for w in _gateway().live_workers()}
     if call.model not in kinds:
         served = ", ".join(sorted(kinds)) or "none"
@@ -81,27 +91,56 @@ def _run(call: Call, endpoint: str) -> Any:
     if kinds[call.model] not in KIND_FOR[endpoint]:
         raise InvalidInput(f"the model {call.model!r} is a {kinds[call.model]} model; it cannot serve "
                            f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}")
-    answer = _gateway().submit(call)
-    g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
-    return answer.results
 
 
-def _no_stream(stream: bool) -> None:
-    if stream:
-        raise InvalidInput("stream=true is not supported yet: ask without it")
+def _sse(call: Call, endpoint: str) -> Response:
+    """Server-sent events in OpenAI's chunk format; refusals (429, 400...) happen before the stream starts."""
+    _check_model(call, endpoint)
+    events = _gateway().stream(call)
+    chat = endpoint == "chat"
+
+    def generate() -> Iterator[str]:
+        sent = ""
+        try:
+            if chat:
+                yield _data(chunk(call, chat, {"role": "assistant", "content": ""}, None))
+            for kind, value in events:
+                if kind == "delta":
+                    sent += value
+                    yield _data(chunk(call, chat, value, None))
+                elif kind == "done":
+                    text = value.output["text"]
+                    rest = text[len(sent):] if text.startswith(sent) else ""
+                    yield _data(chunk(call, chat, rest, value.output["finish_reason"]))
+                else:
+                    g.error_type = value.type
+                    yield _data({"error": {"message": value.message, "type": OPENAI_TYPES.get(value.status,
+                                 "server_error"), "param": None, "code": value.type}})
+            yield "data: [DONE]\n\n"
+        finally:
+            events.close()  # the client went away mid-stream: cancel the generation in the worker
+
+    return Response(stream_with_context(generate()), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _data(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
 
 
 @bp.post("/v1/completions")
 def completions() -> Response:
     call, stream = parse_completion(request.get_json(force=True), _settings(), g.request_id, _tenant())
-    _no_stream(stream)
+    if stream:
+        return _sse(call, "completions")
     return jsonify(completion_response(call.request_id, call.model, _run(call, "completions")))
 
 
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
     call, stream = parse_chat(request.get_json(force=True), _settings(), g.request_id, _tenant())
-    _no_stream(stream)
+    if stream:
+        return _sse(call, "chat")
     return jsonify(chat_response(call.request_id, call.model, _run(call, "chat")))
 
 

@@ -128,6 +128,18 @@ def chat_response(request_id: str, model: str, results: tuple[ItemResult, ...]) 
             "usage": _usage(results)}
 
 
+def chunk(call: Call, chat: bool, text: Any, finish_reason: str | None) -> dict[str, Any]:
+    """One streamed chunk; for chat, ``text`` may be a whole delta object (the opening role chunk)."""
+    created = int(time.time())
+    if chat:
+        delta = text if isinstance(text, dict) else ({"content": text} if text else {})
+        return {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": created,
+                "model": call.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                                  "finish_reason": finish_reason}]}
+    return {"id": f"cmpl-{call.request_id}", "object": "text_completion", "created": created, "model": call.model,
+            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+
+
 def embeddings_response(model: str, results: tuple[ItemResult, ...], encoding: str) -> dict[str, Any]:
     def encode(vector: list[float]) -> Any:
         if encoding == "base64":

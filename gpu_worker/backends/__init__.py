@@ -6,8 +6,8 @@ than its context): that item is answered with the error and the rest of the batc
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from tasks.config import Settings
@@ -21,13 +21,23 @@ class ItemError:
     message: str
 
 
+@dataclass
+class Hooks:
+    """How a generating backend talks back while it runs, by item position in the batch."""
+
+    streaming: set[int] = field(default_factory=set)  # items whose text should be streamed as it comes
+    stream: Callable[[list[tuple[int, str]]], None] = lambda deltas: None  # called once per decoding step
+    cancelled: Callable[[int], bool] = lambda position: False  # the caller is gone: stop generating for it
+
+
 class Backend(Protocol):
     name: str  # the model name this backend serves; requests are routed by it
     kind: str  # "sim", "causal" or "embed": which API endpoints it can answer
     max_batch: int  # most inputs one run() takes
     max_context: int  # most tokens per item (prompt and output); 0 when it does not apply
 
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[Any]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
+            hooks: Hooks | None = None) -> list[Any]:
         """Outputs for ``inputs``: same length, same order. Raise on failure; never return a partial list."""
         ...
 

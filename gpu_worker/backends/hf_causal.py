@@ -16,8 +16,9 @@ from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
 
-from gpu_worker.backends import ItemError
+from gpu_worker.backends import Hooks, ItemError
 
 
 @dataclass
@@ -29,23 +30,70 @@ class _Row:
 
 
 class _PerRowStop(StoppingCriteria):
-    """Ends each row at its own token budget or stop sequence (transformers accepts a per-row answer)."""
+    """Ends each row at its own token budget or stop sequence, or when its caller has gone away
+    (transformers accepts a per-row answer)."""
 
-    def __init__(self, rows: list[_Row], prompt_len: int, tokenizer: Any) -> None:
+    def __init__(self, rows: list[_Row], prompt_len: int, tokenizer: Any, hooks: Hooks) -> None:
         self.rows = rows
         self.prompt_len = prompt_len
         self.tokenizer = tokenizer
+        self.hooks = hooks
 
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor, **kwargs: Any) -> torch.BoolTensor:
         generated = input_ids.shape[1] - self.prompt_len
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
         for r, row in enumerate(self.rows):
-            if generated >= row.max_tokens:
+            if generated >= row.max_tokens or self.hooks.cancelled(row.index):
                 done[r] = True
             elif row.stop:
                 text = self.tokenizer.decode(input_ids[r, self.prompt_len:], skip_special_tokens=True)
                 done[r] = any(s in text for s in row.stop)
         return done  # type: ignore[return-value]
+
+
+class _RowStreamer(BaseStreamer):
+    """Streams each row's new text at every decoding step, holding back what could still become a stop
+    sequence; the final text (sent with the result) is authoritative."""
+
+    def __init__(self, rows: list[_Row], tokenizer: Any, hooks: Hooks, eos_ids: list[int]) -> None:
+        self.rows = rows
+        self.tokenizer = tokenizer
+        self.hooks = hooks
+        self.eos_ids = eos_ids
+        self.tokens: list[list[int]] = [[] for _ in rows]
+        self.sent = [0] * len(rows)
+        self.ended = [False] * len(rows)
+        self.prompt_seen = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if not self.prompt_seen:  # generate() first hands over the prompt
+            self.prompt_seen = True
+            return
+        deltas = []
+        for r, token in enumerate(value.reshape(len(self.rows), -1)[:, -1].tolist()):
+            row = self.rows[r]
+            if self.ended[r] or row.index not in self.hooks.streaming:
+                continue
+            if token in self.eos_ids or len(self.tokens[r]) >= row.max_tokens:
+                self.ended[r] = True
+                continue
+            self.tokens[r].append(token)
+            text = self.tokenizer.decode(self.tokens[r], skip_special_tokens=True)
+            cut = min((text.index(s) for s in row.stop if s in text), default=None)
+            if cut is not None:
+                text, self.ended[r] = text[:cut], True
+            elif row.stop:
+                text = text[:max(self.sent[r], len(text) - max(len(s) for s in row.stop) + 1)]
+            if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+                continue
+            if len(text) > self.sent[r]:
+                deltas.append((row.index, text[self.sent[r]:]))
+                self.sent[r] = len(text)
+        if deltas:
+            self.hooks.stream(deltas)
+
+    def end(self) -> None:
+        pass
 
 
 class HFCausalBackend:
@@ -83,8 +131,10 @@ class HFCausalBackend:
 
     # -- the batch -----------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[Any]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
+            hooks: Hooks | None = None) -> list[Any]:
         params = params or [{} for _ in inputs]
+        hooks = hooks or Hooks()
         outputs: list[Any] = [None] * len(inputs)
         groups: dict[tuple[Any, ...], list[_Row]] = {}
         for i, (text, p) in enumerate(zip(inputs, params)):
@@ -106,10 +156,10 @@ class HFCausalBackend:
             groups.setdefault(key, []).append(row)
         for key, rows in groups.items():
             for start in range(0, len(rows), self.max_batch):
-                self._generate(key, rows[start:start + self.max_batch], outputs)
+                self._generate(key, rows[start:start + self.max_batch], outputs, hooks)
         return outputs
 
-    def _generate(self, key: tuple[Any, ...], rows: list[_Row], outputs: list[Any]) -> None:
+    def _generate(self, key: tuple[Any, ...], rows: list[_Row], outputs: list[Any], hooks: Hooks) -> None:
         width = max(len(r.prompt_ids) for r in rows)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows],
@@ -125,13 +175,18 @@ class HFCausalBackend:
         generated = self.model.generate(
             input_ids=input_ids, attention_mask=mask, max_new_tokens=max(r.max_tokens for r in rows),
             pad_token_id=pad, eos_token_id=self.eos_ids, stopping_criteria=StoppingCriteriaList(
-                [_PerRowStop(rows, width, self.tokenizer)]), **sampling)
+                [_PerRowStop(rows, width, self.tokenizer, hooks)]),
+            streamer=_RowStreamer(rows, self.tokenizer, hooks, self.eos_ids) if hooks.streaming else None,
+            **sampling)
         for r, row in enumerate(rows):
             tokens = generated[r, width:].tolist()[:row.max_tokens]
             finish = "length"
             for n, token in enumerate(tokens):
                 if token in self.eos_ids:
                     tokens, finish = tokens[:n], "stop"
+                    break
+                if token == pad:  # the row was stopped (stop sequence, cancelled): generate() padded the rest
+                    tokens = tokens[:n]
                     break
             text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             cut = min((text.index(s) for s in row.stop if s in text), default=None)

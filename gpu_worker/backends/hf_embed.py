@@ -41,7 +41,8 @@ class HFEmbedBackend:
         return len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     @torch.inference_mode()
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[Any]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
+            hooks: Any = None) -> list[Any]:
         outputs: list[Any] = [None] * len(inputs)
         ok = []
         for i, text in enumerate(inputs):

@@ -35,7 +35,8 @@ class SimBackend:
     kind: str = "sim"
     max_context: int = 0
 
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None) -> list[str]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
+            hooks: Any = None) -> list[str]:
         if len(inputs) > self.max_batch:
             raise ValueError(f"batch of {len(inputs)} exceeds the simulated device's {self.max_batch}")
         time.sleep((self.batch_ms + self.item_ms * len(inputs)) / 2000)
