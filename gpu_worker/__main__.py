@@ -85,7 +85,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         claims=Claims(client, settings.key("claim")),
         give_back=GiveBack(app, settings.recovery_queue, worker_id),
         record=ledger.record,
-        observe=lambda pipe, size, run_s: observe_batch(pipe, settings, size, run_s),
+        observe=lambda pipe, size, run_s, tokens: observe_batch(pipe, settings, size, run_s, tokens),
         cancelled=Cancellations(client, settings.key("cancel")),
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)

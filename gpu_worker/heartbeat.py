@@ -70,6 +70,7 @@ class WorkerRuntime:
 
     def info(self) -> WorkerInfo:
         now = time.time()
+        tokens_per_s, utilisation = self.state.rates(now)
         started = self.state.batch_started_at
         return WorkerInfo(
             id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
@@ -78,6 +79,7 @@ class WorkerRuntime:
             completed=self.state.completed, batch_started_at=started,
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
+            tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3),
         )
 
 

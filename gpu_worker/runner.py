@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Container
 from typing import Any
 
@@ -33,12 +34,15 @@ GiveBack = Callable[[Batch, Failure, str], None]
 class WorkerState:
     """What the heartbeat reports about this worker; updated by the runner, read by the heartbeat thread."""
 
-    def __init__(self, ema_alpha: float = 0.2) -> None:
+    def __init__(self, ema_alpha: float = 0.2, window_s: float = 60.0) -> None:
         self._lock = threading.Lock()
         self.alpha = ema_alpha
         self.batch_started_at: float | None = None
         self.batch_ms_estimate = 0.0
         self.completed = 0
+        self.window_s = window_s
+        self._recent: deque[tuple[float, float, int]] = deque()  # (finished at, run seconds, tokens)
+        self._since = time.time()
 
     def started(self, at: float) -> None:
         with self._lock:
@@ -52,6 +56,20 @@ class WorkerState:
                 est = self.batch_ms_estimate
                 self.batch_ms_estimate = run_ms if est == 0 else est + self.alpha * (run_ms - est)
 
+    def add_work(self, run_s: float, tokens: int, now: float) -> None:
+        with self._lock:
+            self._recent.append((now, run_s, tokens))
+
+    def rates(self, now: float) -> tuple[float, float]:
+        """(tokens per second, fraction of time busy) over the last ``window_s``."""
+        with self._lock:
+            while self._recent and now - self._recent[0][0] > self.window_s:
+                self._recent.popleft()
+            span = min(self.window_s, max(now - self._since, 1e-6))
+            busy = sum(r for _, r, _ in self._recent)
+            tokens = sum(t for _, _, t in self._recent)
+        return tokens / span, min(1.0, busy / span)
+
     def free_in_ms(self, now: float) -> float:
         """Estimated time until the running batch ends (0 when idle)."""
         with self._lock:
@@ -64,7 +82,7 @@ class BatchRunner:
     def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState, *,
                  announce: Callable[[BatchEvent], None], claims: Claims, give_back: GiveBack,
                  record: Callable[[LedgerEvent], None],
-                 observe: Callable[[Any, int, float], None] = lambda pipe, size, run_s: None,
+                 observe: Callable[[Any, int, float, int], None] = lambda pipe, size, run_s, tokens: None,
                  cancelled: Container[str] = frozenset()) -> None:
         self.backend = backend
         self.writer = writer
@@ -137,7 +155,11 @@ class BatchRunner:
                                       started_at=started_at, run_ms=round(run_ms, 3))
         results = [ItemResult(error=o.type, message=o.message, **common) if isinstance(o, ItemError)
                    else ItemResult(output=o, **common) for o in outputs]
-        self._write(list(zip(live, results)), batch.id, lambda pipe: self.observe(pipe, len(live), run_ms / 1000))
+        tokens = sum(int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
+                     for o in outputs if isinstance(o, dict))
+        self.state.add_work(run_ms / 1000, tokens, time.time())
+        self._write(list(zip(live, results)), batch.id,
+                    lambda pipe: self.observe(pipe, len(live), run_ms / 1000, tokens))
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(),
                                  round(run_ms, 3)))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),

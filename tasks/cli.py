@@ -91,13 +91,14 @@ def workers(admin: Admin, as_json: bool) -> None:
     if not rows:
         click.echo("no GPU worker has sent a heartbeat (start one with `gpu-worker --gpu 0`)")
         return
-    click.echo(f"{'WORKER':<28} {'MODEL':<12} {'STATE':<6} {'QUEUED':>6} {'FREE IN':>9} {'BATCH':>9} "
-               f"{'DONE':>7} {'SEEN':>6}  QUEUE")
+    click.echo(f"{'WORKER':<28} {'MODEL':<16} {'STATE':<6} {'QUEUED':>6} {'FREE IN':>9} {'BATCH':>9} "
+               f"{'DONE':>7} {'TOK/S':>8} {'UTIL':>5} {'SEEN':>6}  QUEUE")
     for w in rows:
         age = now - w.heartbeat_at
         state = w.state if age <= fleet.stale_after_s else "STALE"
-        click.echo(f"{w.id:<28} {w.model:<12} {state:<6} {w.outstanding:>6} {w.free_in_ms:>7.0f}ms "
-                   f"{w.batch_ms_estimate:>7.0f}ms {w.completed:>7} {age:>5.1f}s  {w.queue}")
+        click.echo(f"{w.id:<28} {w.model:<16} {state:<6} {w.outstanding:>6} {w.free_in_ms:>7.0f}ms "
+                   f"{w.batch_ms_estimate:>7.0f}ms {w.completed:>7} {w.tokens_per_s:>8.1f} {w.utilisation:>5.0%} "
+                   f"{age:>5.1f}s  {w.queue}")
 
 
 @cli.command()
@@ -108,11 +109,15 @@ def workers(admin: Admin, as_json: bool) -> None:
 def stats(admin: Admin, interval: float, as_json: bool) -> None:
     """Queue depth, age of the oldest waiting request, batches per second and how full they are."""
     s = admin.settings
-    keys = [s.key("stats", "items_done"), s.key("stats", "batches_done"), s.key("stats", "ledger_dropped")]
+    keys = [s.key("stats", "items_done"), s.key("stats", "batches_done"), s.key("stats", "ledger_dropped"),
+            s.key("stats", "tokens")]
+    run_key = s.key("metrics", "batch_run_seconds")
     try:
         before = [int(v or 0) for v in admin.redis.mget(keys)]
+        busy_before = float(admin.redis.hget(run_key, "sum") or 0)
         time.sleep(interval)
         after = [int(v or 0) for v in admin.redis.mget(keys)]
+        busy_after = float(admin.redis.hget(run_key, "sum") or 0)
         now = time.time()
         in_flight = int(admin.redis.zcount(s.key("inflight"), now, "+inf"))
         oldest = admin.redis.zrange(s.key("inflight") + ":arrivals", 0, 0, withscores=True)
@@ -127,7 +132,9 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
     except Exception as exc:
         queued = None
         click.echo(f"warning: cannot read the request queue from RabbitMQ: {exc}", err=True)
-    items, batches = after[0] - before[0], after[1] - before[1]
+    items, batches, tokens = after[0] - before[0], after[1] - before[1], after[3] - before[3]
+    tokens_per_s = tokens / interval
+    devices_cost_per_s = s.device_price_per_hour * live / 3600
     report: dict[str, Any] = {
         "queue_depth": queued,
         "in_flight": in_flight,
@@ -136,6 +143,9 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         "items_per_s": round(items / interval, 2),
         "fill_ratio": round(items / (batches * s.max_batch_size), 3) if batches else None,
         "live_workers": live,
+        "tokens_per_s": round(tokens_per_s, 1),
+        "device_busy_fraction": round((busy_after - busy_before) / (interval * live), 3) if live else None,
+        "cost_per_million_tokens": round(devices_cost_per_s / tokens_per_s * 1e6, 4) if tokens_per_s else None,
         "quarantined_inputs": quarantined,
         "ledger_records_dropped": after[2],
     }

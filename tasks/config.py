@@ -22,6 +22,7 @@ class Settings:
     default_model: str = "sim"
     served_name: str = ""
     max_tokens_cap: int = 1024
+    device_price_per_hour: float = 2.0
 
     max_batch_size: int = 100
     max_wait_ms: float = 20.0
@@ -117,6 +118,7 @@ DOCS: dict[str, str] = {
     "default_model": "Model used when a request names none.",
     "served_name": "Name a GPU worker serves its model under (default: the hub id, or a local folder's name).",
     "max_tokens_cap": "Largest max_tokens a completion request may ask for.",
+    "device_price_per_hour": "What one device costs per hour (any currency): `llmb-admin stats` turns it into a cost per million tokens.",
     "max_batch_size": "A batch is flushed as soon as it holds this many items.",
     "max_wait_ms": "...or when its first item has waited this long.",
     "batcher_prefetch": "Request messages the batcher may hold unacknowledged (its buffer bound).",

@@ -39,8 +39,10 @@ def _bucket(value: float, bounds: tuple[float, ...]) -> str:
     return repr(bounds[i]) if i < len(bounds) else "+Inf"
 
 
-def observe_batch(pipe: Any, settings: Settings, size: int, run_s: float) -> None:
-    """Add one batch to the system's histograms (inside the caller's Redis pipeline)."""
+def observe_batch(pipe: Any, settings: Settings, size: int, run_s: float, tokens: int = 0) -> None:
+    """Add one batch to the system's histograms and token count (inside the caller's Redis pipeline)."""
+    if tokens:
+        pipe.incrby(settings.key("stats", "tokens"), tokens)
     for name, value, bounds in (("batch_size", float(size), BATCH_SIZE_BUCKETS),
                                 ("batch_run_seconds", run_s, RUN_SECONDS_BUCKETS)):
         key = settings.key("metrics", name)
@@ -63,7 +65,8 @@ class SystemCollector(Collector):
             pipe = self.client.pipeline(transaction=False)
             pipe.zcount(s.key("inflight"), now, "+inf")
             pipe.zrange(s.key("inflight") + ":arrivals", 0, 0, withscores=True)
-            pipe.mget([s.key("stats", n) for n in ("items_done", "batches_done", "poison_inputs", "ledger_dropped")])
+            pipe.mget([s.key("stats", n) for n in ("items_done", "batches_done", "poison_inputs", "ledger_dropped",
+                                                    "tokens")])
             pipe.scard(s.key("quarantine"))
             pipe.hgetall(s.key("metrics", "batch_size"))
             pipe.hgetall(s.key("metrics", "batch_run_seconds"))
@@ -88,7 +91,9 @@ class SystemCollector(Collector):
         for state, n in states.items():
             by_state.add_metric([state], n)
         yield by_state
-        done, batches, poison, dropped = (int(v or 0) for v in counters)
+        done, batches, poison, dropped, tokens = (int(v or 0) for v in counters)
+        yield CounterMetricFamily("llmb_tokens", "Prompt and generated tokens processed by every worker.",
+                                  value=tokens)
         yield CounterMetricFamily("llmb_items_done", "Items answered with an output.", value=done)
         yield CounterMetricFamily("llmb_batches_done", "Batches run to completion.", value=batches)
         yield CounterMetricFamily("llmb_poison_inputs", "Inputs isolated as poison.", value=poison)

@@ -156,3 +156,29 @@ def test_a_cancelled_row_stops_while_the_rest_of_its_batch_goes_on(tmp_path: Pat
     params = [{"max_tokens": 20, "temperature": 0}] * 2
     out = backend.run(["the cat", "the mat"], params, Hooks(cancelled=lambda position: position == 0))
     assert out[0]["completion_tokens"] <= 1 < out[1]["completion_tokens"]
+
+
+def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stack, client: "openai.OpenAI") -> None:
+    import json as json_
+    import threading
+
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set():
+            client.completions.create(model=LM, prompt=[f"load {i}" for i in range(20)], max_tokens=16,
+                                      temperature=0)
+
+    worker = threading.Thread(target=traffic)
+    worker.start()
+    try:
+        time.sleep(0.5)
+        stats = json_.loads(models_stack.admin("stats", "--interval", "2", "--json").stdout)
+    finally:
+        stop.set()
+        worker.join()
+    assert stats["tokens_per_s"] > 0 and 0 < stats["device_busy_fraction"] <= 1
+    assert stats["cost_per_million_tokens"] > 0
+    fleet = {w["model"]: w for w in json_.loads(models_stack.admin("workers", "--json").stdout)}
+    assert fleet[LM]["tokens_per_s"] > 0 and fleet[LM]["utilisation"] > 0 and fleet[LM]["kind"] == "causal"
+    assert fleet[EMBED]["kind"] == "embed" and fleet[LM]["max_context"] == 256
