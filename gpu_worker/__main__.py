@@ -90,7 +90,8 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
-                                            fleet, state, settings, model_backend.kind, model_backend.max_context)
+                                            fleet, state, settings, model_backend.kind, model_backend.max_context,
+                                            model_backend.slots)
     app.steps["worker"].add(HeartbeatStep)
 
     @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)
@@ -101,12 +102,15 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     # the next batch as soon as it is due. (The solo pool runs the batch inside the loop; kombu then leaves
     # the ack queued until its next poll times out, measured here as 2 s idle gaps between batches.)
     try:
-        app.worker_main(["worker", "--pool=threads", "--concurrency=1", f"--queues={queue}",
+        app.worker_main(["worker", "--pool=threads", f"--concurrency={model_backend.slots}", f"--queues={queue}",
                          f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
                          f"--prefetch-multiplier={settings.max_outstanding_batches}",
                          "--without-gossip", "--without-mingle", "--task-events"])
     finally:
         ledger.close()
+        close = getattr(model_backend, "close", None)
+        if close is not None:
+            close()
 
 
 if __name__ == "__main__":

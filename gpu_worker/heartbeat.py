@@ -57,8 +57,10 @@ class WorkerRuntime:
     """What one worker process is: its id, queue, backend and live state."""
 
     def __init__(self, worker_id: str, queue: str, model: str, max_batch: int, fleet: Fleet,
-                 state: WorkerState, settings: Settings, kind: str = "sim", max_context: int = 0) -> None:
+                 state: WorkerState, settings: Settings, kind: str = "sim", max_context: int = 0,
+                 slots: int = 1) -> None:
         self.kind = kind
+        self.slots = slots
         self.max_context = max_context
         self.worker_id = worker_id
         self.queue = queue
@@ -79,7 +81,7 @@ class WorkerRuntime:
             completed=self.state.completed, batch_started_at=started,
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
-            tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3),
+            tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
         )
 
 

@@ -23,6 +23,12 @@ class Settings:
     served_name: str = ""
     max_tokens_cap: int = 1024
     device_price_per_hour: float = 2.0
+    hf_mode: str = "continuous"
+    cb_slots: int = 4
+    cb_num_blocks: int = 256
+    cb_page_size: int = 32
+    cb_max_requests: int = 64
+    cb_max_batch_tokens: int = 512
 
     max_batch_size: int = 100
     max_wait_ms: float = 20.0
@@ -118,6 +124,12 @@ DOCS: dict[str, str] = {
     "default_model": "Model used when a request names none.",
     "served_name": "Name a GPU worker serves its model under (default: the hub id, or a local folder's name).",
     "max_tokens_cap": "Largest max_tokens a completion request may ask for.",
+    "hf_mode": "hf-causal workers: 'continuous' (requests join and leave the running batch at every step) or 'static' (one padded generate() per batch).",
+    "cb_slots": "Continuous mode: batches a worker runs at once (their requests share the decode batch).",
+    "cb_num_blocks": "Continuous mode: KV-cache pages; pages x page size is the token budget the worker advertises.",
+    "cb_page_size": "Continuous mode: tokens per KV-cache page.",
+    "cb_max_requests": "Continuous mode: most requests in one decoding step.",
+    "cb_max_batch_tokens": "Continuous mode: most tokens in one forward pass (prefill included).",
     "device_price_per_hour": "What one device costs per hour (any currency): `llmb-admin stats` turns it into a cost per million tokens.",
     "max_batch_size": "A batch is flushed as soon as it holds this many items.",
     "max_wait_ms": "...or when its first item has waited this long.",

@@ -95,12 +95,13 @@ class Scheduler:
             if w.model != model:
                 continue
             n = self.outstanding(w.id, now)
-            backlog = self.backlog_s(w, now)
-            if n < self.max_outstanding and backlog <= self.lead_s:
+            limit = self.max_outstanding + w.slots - 1
+            backlog = 0.0 if n < w.slots else self.backlog_s(w, now)
+            if n < limit and backlog <= self.lead_s:
                 key = (backlog, n, self._track(w.id).last_sent, w.id, w)
                 if best is None or key[:4] < best[:4]:
                     best = key
-            elif n < self.max_outstanding:
+            elif n < limit:
                 wait = backlog - self.lead_s
                 soonest = wait if soonest is None else min(soonest, wait)
         if best is not None:

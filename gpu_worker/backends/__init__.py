@@ -35,6 +35,7 @@ class Backend(Protocol):
     kind: str  # "sim", "causal" or "embed": which API endpoints it can answer
     max_batch: int  # most inputs one run() takes
     max_context: int  # most tokens per item (prompt and output); 0 when it does not apply
+    slots: int  # batches it runs at once (1 but for continuous batching)
 
     def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
             hooks: Hooks | None = None) -> list[Any]:
@@ -67,11 +68,17 @@ def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: i
         if not model:
             raise ValueError("--backend hf-causal needs --model (a hub id such as Qwen/Qwen2.5-0.5B-Instruct, "
                              "or a local folder)")
+        from gpu_worker.backends.continuous import EngineConfig
         from gpu_worker.backends.hf_causal import HFCausalBackend
 
+        if settings.hf_mode not in ("continuous", "static"):
+            raise ValueError(f"LLMB_HF_MODE must be 'continuous' or 'static', not {settings.hf_mode!r}")
+        engine = EngineConfig(settings.cb_num_blocks, settings.cb_page_size, settings.cb_max_batch_tokens,
+                              settings.cb_max_requests) if settings.hf_mode == "continuous" else None
         return HFCausalBackend(name=settings.served_name or _name_of(model, model), path=model,
                                device=device_for(gpu), max_batch=settings.max_batch_size,
-                               max_tokens_cap=settings.max_tokens_cap)
+                               max_tokens_cap=settings.max_tokens_cap, continuous=engine,
+                               slots=settings.cb_slots)
     raise ValueError(f"unknown backend {kind!r}; available: {', '.join(KINDS)}")
 
 

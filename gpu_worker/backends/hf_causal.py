@@ -1,4 +1,7 @@
-"""Text generation with any Hugging Face causal LM: batched, left-padded ``generate()``.
+"""Text generation with any Hugging Face causal LM.
+
+Greedy requests go to continuous batching (:mod:`gpu_worker.backends.continuous`) unless the worker runs in
+static mode; sampled ones, and all of them in static mode, use batched, left-padded ``generate()``.
 
 Each item carries its own parameters (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, and
 ``chat`` when its input is a JSON list of chat messages for the model's chat template). Items that decode
@@ -19,6 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, 
 from transformers.generation.streamers import BaseStreamer
 
 from gpu_worker.backends import Hooks, ItemError
+from gpu_worker.backends.continuous import ContinuousEngine, EngineConfig
 
 
 @dataclass
@@ -99,8 +103,10 @@ class _RowStreamer(BaseStreamer):
 class HFCausalBackend:
     kind = "causal"
 
-    def __init__(self, name: str, path: str, device: str, max_batch: int, max_tokens_cap: int) -> None:
+    def __init__(self, name: str, path: str, device: str, max_batch: int, max_tokens_cap: int,
+                 continuous: EngineConfig | None = None, slots: int = 4) -> None:
         self.name = name
+        self.slots = slots if continuous else 1
         self.max_batch = max_batch
         self.max_tokens_cap = max_tokens_cap
         self.device = torch.device(device)
@@ -109,11 +115,19 @@ class HFCausalBackend:
         self.tokenizer.padding_side = "left"
         if self.tokenizer.pad_token_id is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(self.device).eval()  # type: ignore[arg-type]
+        attention = {"attn_implementation": "sdpa"} if continuous else {}
+        self.model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **attention).to(self.device).eval()  # type: ignore[arg-type]
         config = self.model.config
         self.max_context = int(getattr(config, "max_position_embeddings", 2048) or 2048)
         self.eos_ids = _eos_ids(self.model, self.tokenizer)
+        self.engine = ContinuousEngine(self.model, self.tokenizer, self.eos_ids, continuous) if continuous else None
         self.run(["warm-up"], [{"max_tokens": 2, "temperature": 0}])
+
+    def close(self) -> None:
+        """Stop the continuous-batching manager (its thread would otherwise keep the process alive)."""
+        if self.engine is not None:
+            self.engine.stop()
+            self.engine = None
 
     # -- prompts -------------------------------------------------------------------------------------
     def prompt_text(self, text: str, params: Mapping[str, Any]) -> str:
@@ -155,6 +169,9 @@ class HFCausalBackend:
                                                         p.get("seed"))
             groups.setdefault(key, []).append(row)
         for key, rows in groups.items():
+            if key == ("greedy",) and self.engine is not None:
+                self.engine.generate(rows, outputs, hooks)  # requests join and leave at every decoding step
+                continue
             for start in range(0, len(rows), self.max_batch):
                 self._generate(key, rows[start:start + self.max_batch], outputs, hooks)
         return outputs

@@ -26,6 +26,7 @@ def default_model_path() -> str:
 
 class HFEmbedBackend:
     kind = "embed"
+    slots = 1
 
     def __init__(self, name: str, path: str, device: str, max_batch: int) -> None:
         self.name = name

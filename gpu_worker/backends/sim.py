@@ -34,6 +34,7 @@ class SimBackend:
     kill_on: str = ""
     kind: str = "sim"
     max_context: int = 0
+    slots: int = 1
 
     def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
             hooks: Any = None) -> list[str]:

@@ -1,0 +1,128 @@
+"""Continuous batching for causal LMs, on transformers' ContinuousBatchingManager (paged KV cache).
+
+One long-lived manager per worker (building one is the expensive part, so it is never rebuilt per batch).
+Several batches run at once (the worker's pool threads each hand theirs in), and their requests join and
+leave the running decode batch at every step: a short answer leaves as soon as it is done, and a request
+that arrives while others generate starts at the next step instead of waiting for the batch to drain.
+The KV-cache budget (pages x page size) is the real limit on concurrency; the worker advertises it.
+
+A single router thread drains the manager's output queue and hands each update to the batch waiting for
+it, so batches never steal each other's results.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import GenerationConfig
+from transformers.generation import ContinuousBatchingConfig
+
+from gpu_worker.backends import Hooks
+
+log = logging.getLogger("llmb.worker")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    num_blocks: int = 256
+    page_size: int = 32
+    max_batch_tokens: int = 512
+    max_requests: int = 64
+
+
+class ContinuousEngine:
+    def __init__(self, model: Any, tokenizer: Any, eos_ids: list[int], config: EngineConfig) -> None:
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self.config = config
+        generation = GenerationConfig(do_sample=False, eos_token_id=eos_ids, pad_token_id=tokenizer.pad_token_id)
+        cb = ContinuousBatchingConfig(num_blocks=config.num_blocks, page_size=config.page_size,
+                                      max_batch_tokens=config.max_batch_tokens,
+                                      max_requests_per_batch=config.max_requests)
+        self.manager = model.init_continuous_batching(generation_config=generation, continuous_batching_config=cb)
+        self.manager.start()
+        self._routes: dict[str, queue.SimpleQueue[Any]] = {}
+        self._lock = threading.Lock()
+        threading.Thread(target=self._route, name="cb-router", daemon=True).start()
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.config.num_blocks * self.config.page_size
+
+    def _route(self) -> None:
+        while True:
+            try:
+                result = self.manager.get_result(timeout=0.5)
+            except Exception:  # the manager stopped: nothing more will come
+                log.exception("continuous batching manager failed")
+                return
+            if result is None:
+                continue
+            with self._lock:
+                inbox = self._routes.get(result.request_id)
+            if inbox is not None:
+                inbox.put(result)
+
+    def generate(self, rows: list[Any], outputs: list[Any], hooks: Hooks) -> None:
+        """Greedy generation for ``rows`` (see hf_causal._Row); fills ``outputs`` at each row's index."""
+        inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        by_id: dict[str, Any] = {}
+        for row in rows:
+            rid = uuid.uuid4().hex
+            with self._lock:
+                self._routes[rid] = inbox
+            by_id[rid] = row
+            self.manager.add_request(row.prompt_ids, request_id=rid, max_new_tokens=row.max_tokens, streaming=True)
+        sent = {rid: 0 for rid in by_id}
+        pending = set(by_id)
+        try:
+            while pending:
+                try:
+                    result = inbox.get(timeout=0.2)
+                except queue.Empty:
+                    result = None
+                for rid in [r for r in pending if hooks.cancelled(by_id[r].index)]:
+                    self.manager.cancel_request(rid)
+                    self._finish(by_id[rid], [], outputs, "cancelled")
+                    pending.discard(rid)
+                if result is None or result.request_id not in pending:
+                    continue
+                row = by_id[result.request_id]
+                tokens = [t for t in result.generated_tokens if t not in self.eos_ids]
+                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+                stopped = any(s in text for s in row.stop)
+                if row.index in hooks.streaming and not text.endswith("\ufffd"):
+                    visible = text
+                    if row.stop:
+                        cut = min((text.index(s) for s in row.stop if s in text), default=None)
+                        visible = text[:cut] if cut is not None else \
+                            text[:max(sent[result.request_id], len(text) - max(len(s) for s in row.stop) + 1)]
+                    if len(visible) > sent[result.request_id]:
+                        hooks.stream([(row.index, visible[sent[result.request_id]:])])
+                        sent[result.request_id] = len(visible)
+                if result.is_finished() or stopped:
+                    if stopped and not result.is_finished():
+                        self.manager.cancel_request(result.request_id)
+                    ended_by_eos = len(tokens) < len(result.generated_tokens)
+                    self._finish(row, tokens, outputs, "stop" if ended_by_eos or stopped else "length")
+                    pending.discard(result.request_id)
+        finally:
+            with self._lock:
+                for rid in by_id:
+                    self._routes.pop(rid, None)
+
+    def _finish(self, row: Any, tokens: list[int], outputs: list[Any], finish: str) -> None:
+        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+        cut = min((text.index(s) for s in row.stop if s in text), default=None)
+        if cut is not None:
+            text, finish = text[:cut], "stop"
+            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        outputs[row.index] = {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
+                              "completion_tokens": len(tokens)}
+
+    def stop(self) -> None:
+        self.manager.stop(block=True, timeout=10)
