@@ -91,7 +91,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
     app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
                                             fleet, state, settings, model_backend.kind, model_backend.max_context,
-                                            model_backend.slots)
+                                            model_backend.slots, getattr(model_backend, "kv_tokens", 0))
     app.steps["worker"].add(HeartbeatStep)
 
     @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)

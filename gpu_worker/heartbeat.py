@@ -58,9 +58,10 @@ class WorkerRuntime:
 
     def __init__(self, worker_id: str, queue: str, model: str, max_batch: int, fleet: Fleet,
                  state: WorkerState, settings: Settings, kind: str = "sim", max_context: int = 0,
-                 slots: int = 1) -> None:
+                 slots: int = 1, kv_tokens: int = 0) -> None:
         self.kind = kind
         self.slots = slots
+        self.kv_tokens = kv_tokens
         self.max_context = max_context
         self.worker_id = worker_id
         self.queue = queue
@@ -82,6 +83,7 @@ class WorkerRuntime:
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
             tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
+            kv_tokens=self.kv_tokens,
         )
 
 

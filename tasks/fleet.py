@@ -28,6 +28,7 @@ class WorkerInfo:
     free_in_ms: float = 0.0  # estimated time until the running batch ends
     kind: str = "sim"  # "sim", "causal" or "embed"
     slots: int = 1  # batches it runs at once (continuous batching: several share the decode batch)
+    kv_tokens: int = 0  # continuous batching: tokens its KV cache holds, the real limit on concurrency
     tokens_per_s: float = 0.0  # over the last minute
     utilisation: float = 0.0  # fraction of the last minute spent running batches
     max_context: int = 0  # tokens per item (prompt + output), 0 when it does not apply

@@ -183,6 +183,7 @@ def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stac
     fleet = {w["model"]: w for w in json_.loads(models_stack.admin("workers", "--json").stdout)}
     assert fleet[LM]["tokens_per_s"] > 0 and fleet[LM]["utilisation"] > 0 and fleet[LM]["kind"] == "causal"
     assert fleet[EMBED]["kind"] == "embed" and fleet[LM]["max_context"] == 256
+    assert fleet[LM]["slots"] > 1 and fleet[LM]["kv_tokens"] > 0  # continuous batching and its KV budget
 
 
 def test_continuous_batching_gives_the_same_greedy_text_as_padded_generate(tmp_path: Path) -> None:

@@ -123,6 +123,11 @@ class HFCausalBackend:
         self.engine = ContinuousEngine(self.model, self.tokenizer, self.eos_ids, continuous) if continuous else None
         self.run(["warm-up"], [{"max_tokens": 2, "temperature": 0}])
 
+    @property
+    def kv_tokens(self) -> int:
+        """The KV-cache budget of continuous batching (0 in static mode)."""
+        return self.engine.kv_tokens if self.engine is not None else 0
+
     def close(self) -> None:
         """Stop the continuous-batching manager (its thread would otherwise keep the process alive)."""
         if self.engine is not None:
