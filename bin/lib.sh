@@ -70,6 +70,26 @@ ensure_redis() {
   wait_port 6379 20 Redis
 }
 
+ensure_postgres() {  # for the ledger's PostgreSQL tests (the system itself defaults to a SQLite file)
+  [[ "${LLMB_TEST_POSTGRES:-postgresql://postgres@127.0.0.1:5432/test}" == *@127.0.0.1:5432* ]] || return 0
+  port_open 5432 && return 0
+  local fresh="" version
+  if ! ls -d /etc/postgresql/*/main >/dev/null 2>&1; then
+    apt_install postgresql || die \
+      "PostgreSQL is not running and not installed. Install it, or set LLMB_TEST_POSTGRES to a server the tests may create databases on"
+    fresh=1
+  fi
+  version=$(ls /etc/postgresql | sort -V | tail -n 1)
+  if [ -n "$fresh" ]; then  # a server installed just for the tests: trust local TCP connections
+    sed -i -E 's/^(host[[:space:]]+all[[:space:]]+all[[:space:]]+127\.0\.0\.1\/32[[:space:]]+)[a-z0-9-]+/\1trust/' \
+      "/etc/postgresql/$version/main/pg_hba.conf"
+  fi
+  say "starting PostgreSQL $version on 127.0.0.1:5432"
+  pg_ctlcluster --skip-systemctl-redirect "$version" main start >/dev/null 2>&1 || true
+  wait_port 5432 60 PostgreSQL
+  if [ -n "$fresh" ]; then su postgres -c "createdb test" >/dev/null 2>&1 || true; fi
+}
+
 ensure_rabbitmq() {
   [[ "${LLMB_BROKER_URL:-amqp://guest:guest@127.0.0.1:5672//}" == *@127.0.0.1:5672* || "${LLMB_BROKER_URL:-}" == *@localhost:5672* ]] || return 0
   port_open 5672 && return 0

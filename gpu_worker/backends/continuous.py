@@ -116,13 +116,9 @@ class ContinuousEngine:
                     self._routes.pop(rid, None)
 
     def _finish(self, row: Any, tokens: list[int], outputs: list[Any], finish: str) -> None:
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = min((text.index(s) for s in row.stop if s in text), default=None)
-        if cut is not None:
-            text, finish = text[:cut], "stop"
-            tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-        outputs[row.index] = {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
-                              "completion_tokens": len(tokens)}
+        from gpu_worker.backends.hf_causal import completion
+
+        outputs[row.index] = completion(self.tokenizer, row, tokens, finish)
 
     def stop(self) -> None:
         self.manager.stop(block=True, timeout=10)

@@ -210,13 +210,18 @@ class HFCausalBackend:
                 if token == pad:  # the row was stopped (stop sequence, cancelled): generate() padded the rest
                     tokens = tokens[:n]
                     break
-            text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-            cut = min((text.index(s) for s in row.stop if s in text), default=None)
-            if cut is not None:
-                text, finish = text[:cut], "stop"
-                tokens = self.tokenizer(text, add_special_tokens=False)["input_ids"]
-            outputs[row.index] = {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
-                                  "completion_tokens": len(tokens)}
+            outputs[row.index] = completion(self.tokenizer, row, tokens, finish)
+
+
+def completion(tokenizer: Any, row: Any, tokens: list[int], finish: str) -> dict[str, Any]:
+    """A row's answer: its text cut at the first stop sequence, the finish reason and its token counts."""
+    text = tokenizer.decode(tokens, skip_special_tokens=True)
+    cut = min((text.index(s) for s in row.stop if s in text), default=None)
+    if cut is not None:
+        text, finish = text[:cut], "stop"
+        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
+            "completion_tokens": len(tokens)}
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:
