@@ -18,6 +18,7 @@ import redis
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from tasks.admission import Admission
 from tasks.config import Settings
 from tasks.errors import BatchingError
 from tasks.fleet import Fleet
@@ -119,8 +120,9 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         after = [int(v or 0) for v in admin.redis.mget(keys)]
         busy_after = float(admin.redis.hget(run_key, "sum") or 0)
         now = time.time()
-        in_flight = int(admin.redis.zcount(s.key("inflight"), now, "+inf"))
-        oldest = admin.redis.zrange(s.key("inflight") + ":arrivals", 0, 0, withscores=True)
+        admission = Admission(admin.redis, s.key("inflight"), s.admission_cap, s.key("quarantine"))
+        in_flight = admission.in_flight(now)
+        oldest = admission.oldest_arrival()
         quarantined = int(admin.redis.scard(s.key("quarantine")))
         live = len(admin.fleet().live(now))
     except redis.RedisError as exc:
@@ -138,7 +140,7 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
     report: dict[str, Any] = {
         "queue_depth": queued,
         "in_flight": in_flight,
-        "oldest_waiting_s": round(now - float(oldest[0][1]), 3) if oldest else 0.0,
+        "oldest_waiting_s": round(now - oldest, 3) if oldest is not None else 0.0,
         "batches_per_s": round(batches / interval, 2),
         "items_per_s": round(items / interval, 2),
         "fill_ratio": round(items / (batches * s.max_batch_size), 3) if batches else None,

@@ -2,7 +2,8 @@
 
 Each worker overwrites one field of a single Redis hash at a fixed interval, so reading the whole fleet is
 one HGETALL. A worker whose last heartbeat is older than ``heartbeat_stale_factor`` intervals is stale: it
-is left out of :meth:`Fleet.live` and pruned from the hash. Timestamps are epoch seconds (they cross hosts).
+is left out of :meth:`Fleet.live`, and the batcher that finds it lost removes it from the hash.
+Timestamps are epoch seconds (they cross hosts).
 """
 from __future__ import annotations
 
@@ -66,13 +67,6 @@ class Fleet:
 
     def live(self, now: float) -> list[WorkerInfo]:
         return [w for w in self.all() if now - w.heartbeat_at <= self.stale_after_s]
-
-    def prune(self, now: float) -> list[str]:
-        """Remove stale workers from the hash; returns their ids."""
-        stale = [w.id for w in self.all() if now - w.heartbeat_at > self.stale_after_s]
-        if stale:
-            self.client.hdel(self.key, *stale)
-        return stale
 
 
 def fleet_exchange(namespace: str) -> Exchange:

@@ -105,7 +105,6 @@ class ResultListener:
         self._waiters: dict[str, _Waiter] = {}
         self._started = False
         self._start_lock = threading.Lock()
-        self._stopping = False
 
     def start(self) -> None:
         """Start the listener once, lazily, in the process that will wait (after gunicorn forks)."""
@@ -115,9 +114,6 @@ class ResultListener:
             if not self._started:
                 threading.Thread(target=self._listen, name="result-listener", daemon=True).start()
                 self._started = True
-
-    def stop(self) -> None:
-        self._stopping = True
 
     def wait(self, item_ids: Sequence[str], deadline: float) -> dict[str, ItemResult]:
         """Block until every item has a result or the monotonic ``deadline`` passes.
@@ -195,12 +191,12 @@ class ResultListener:
                 waiter.event.set()
 
     def _listen(self) -> None:
-        while not self._stopping:
+        while True:
             pubsub = self.client.pubsub(ignore_subscribe_messages=True)
             try:
                 pubsub.subscribe(self.channel)
                 self._wake(list(self._waiters))  # anything published while we were away: re-read the keys
-                while not self._stopping:
+                while True:
                     message = pubsub.get_message(timeout=1.0)
                     if message and message["type"] == "message":
                         data = message["data"].decode()
