@@ -111,6 +111,11 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         close = getattr(model_backend, "close", None)
         if close is not None:
             close()
+            # transformers' continuous-batching thread is not a daemon and can outlive stop(); the worker's
+            # own shutdown is complete at this point, so end the process rather than wait on it
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
 
 
 if __name__ == "__main__":

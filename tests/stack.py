@@ -99,7 +99,11 @@ class Stack:
     def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
         proc = self.procs.pop(name)
         os.killpg(proc.pid, sig)
-        proc.wait(timeout=30)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:  # it did not stop on its own: nothing may outlive the test
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
 
     def live_workers(self) -> int:
         body = requests.get(self.url + "/readyz", timeout=5)
@@ -124,8 +128,8 @@ class Stack:
         for name in list(self.procs):
             try:
                 self.kill(name, signal.SIGTERM)
-            except (subprocess.TimeoutExpired, ProcessLookupError):
-                self.kill(name, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             for key in self.redis.scan_iter(f"{self.namespace}:*", count=1000):
                 self.redis.delete(key)
