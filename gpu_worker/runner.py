@@ -160,6 +160,10 @@ class BatchRunner:
         self.state.add_work(run_ms / 1000, tokens, time.time())
         self._write(list(zip(live, results)), batch.id,
                     lambda pipe: self.observe(pipe, len(live), run_ms / 1000, tokens))
+        rejected = [i for i, o in zip(live, outputs) if isinstance(o, ItemError)]
+        if rejected:  # recorded first: the batch's "ok" below does not override a final status
+            self.record(ItemsOutcome(batch.model, rejected, "rejected", "the model could not take this input",
+                                     batch.id))
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(),
                                  round(run_ms, 3)))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),

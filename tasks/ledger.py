@@ -41,7 +41,7 @@ from tasks.schema import Batch, BatchItem, input_hash
 log = logging.getLogger("llmb.ledger")
 
 
-FINAL_STATUSES = ("ok", "poison", "expired", "exhausted")
+FINAL_STATUSES = ("ok", "poison", "expired", "exhausted", "rejected")
 
 
 class Base(DeclarativeBase):
@@ -56,7 +56,7 @@ class RequestRecord(Base):
     correlation_id: Mapped[str] = mapped_column(String(128), index=True)
     tenant: Mapped[str] = mapped_column(String(64), index=True)
     model: Mapped[str] = mapped_column(String(128), index=True)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # ok, retrying, poison, expired, exhausted
+    status: Mapped[str] = mapped_column(String(16), index=True)  # ok, retrying, poison, expired, exhausted, rejected
     input_hash: Mapped[str] = mapped_column(String(32), index=True)
     input: Mapped[str | None] = mapped_column(Text)  # only with LLMB_STORE_INPUTS
     error: Mapped[str | None] = mapped_column(Text)

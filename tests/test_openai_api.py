@@ -93,11 +93,20 @@ def test_embeddings_are_normalised_and_per_input(client: "openai.OpenAI") -> Non
     assert r.usage.prompt_tokens > 0
 
 
-def test_errors_come_back_in_openai_shape(client: "openai.OpenAI") -> None:
+def test_errors_come_back_in_openai_shape(client: "openai.OpenAI", models_stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=LM, prompt="x", max_tokens=1000)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=LM, prompt="the cat " * 200, max_tokens=60)
+    from sqlalchemy import select
+    from sqlalchemy.orm import Session
+
+    from tasks.ledger import RequestRecord, make_engine
+    from tests.stack import wait_for
+
+    with Session(make_engine(models_stack.database_url)) as s:  # the ledger says why it was not answered
+        wait_for(lambda: s.scalars(select(RequestRecord).where(RequestRecord.status == "rejected")).first(),
+                 10, "the rejected request in the ledger")
     with pytest.raises(openai.NotFoundError, match="not served"):
         client.completions.create(model="no-such-model", prompt="x")
     with pytest.raises(openai.BadRequestError, match="embed model"):

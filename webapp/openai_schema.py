@@ -59,15 +59,21 @@ def generation_params(body: dict[str, Any], settings: Settings, *, default_max_t
             "top_p": _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, "stop": stop or [], "seed": seed}
 
 
+def _strings(body: dict[str, Any], name: str, settings: Settings, note: str = "") -> list[str]:
+    """A field holding one string or a non-empty list of them (one batch item each)."""
+    value = body.get(name)
+    texts = [value] if isinstance(value, str) else value
+    if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
+        raise InvalidInput(f"'{name}' must be a string or a non-empty list of strings{note}")
+    if len(texts) > settings.max_inputs_per_call:
+        raise InvalidInput(f"at most {settings.max_inputs_per_call} '{name}' entries per call")
+    return texts
+
+
 def parse_completion(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, bool]:
     """A /v1/completions body -> the call to submit, and whether it streams."""
     model, body, timeout_ms = _common(body, settings)
-    prompt = body.get("prompt")
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not isinstance(prompts, list) or not prompts or not all(isinstance(p, str) for p in prompts):
-        raise InvalidInput("'prompt' must be a string or a non-empty list of strings (token ids are not supported)")
-    if len(prompts) > settings.max_inputs_per_call:
-        raise InvalidInput(f"at most {settings.max_inputs_per_call} prompts per call")
+    prompts = _strings(body, "prompt", settings, " (token ids are not supported)")
     params = generation_params(body, settings, default_max_tokens=16)
     call = Call(request_id=request_id, tenant=tenant, model=model, inputs=tuple(prompts), timeout_ms=timeout_ms,
                 params=params)
@@ -93,12 +99,7 @@ def parse_chat(body: Any, settings: Settings, request_id: str, tenant: str) -> t
 
 def parse_embeddings(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, str]:
     model, body, timeout_ms = _common(body, settings)
-    text = body.get("input")
-    inputs = [text] if isinstance(text, str) else text
-    if not isinstance(inputs, list) or not inputs or not all(isinstance(t, str) for t in inputs):
-        raise InvalidInput("'input' must be a string or a non-empty list of strings")
-    if len(inputs) > settings.max_inputs_per_call:
-        raise InvalidInput(f"at most {settings.max_inputs_per_call} inputs per call")
+    inputs = _strings(body, "input", settings)
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise InvalidInput("'encoding_format' must be 'float' or 'base64'")
