@@ -34,7 +34,8 @@ def percentile(values: list[float], q: float) -> float | None:
 
 
 def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 1, tenant: str | None = None,
-        poison_every: int = 0, poison_marker: str = "", concurrency: int = 10_000) -> dict[str, Any]:
+        poison_every: int = 0, poison_marker: str = "", concurrency: int = 10_000, key: str | None = None,
+        priority: str | None = None) -> dict[str, Any]:
     """Offer ``rate`` requests/s for ``duration`` s; returns a summary and one record per request."""
     target = urlparse(url)
     rng = random.Random(seed)
@@ -44,13 +45,16 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
     headers = {"Content-Type": "application/json"}
     if tenant:
         headers["X-Tenant"] = tenant
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    extra = {"priority": priority} if priority else {}
 
     def one(i: int, sent_at: float) -> None:
         text = f"bench {seed} {i}"
         if poison_every and i % poison_every == poison_every - 1:
             text = f"{poison_marker} {seed} {i}"
-        body = json.dumps({"input": text, "timeout_ms": timeout_ms})
-        record: dict[str, Any] = {"i": i, "t": round(sent_at, 4)}
+        body = json.dumps({"input": text, "timeout_ms": timeout_ms, **extra})
+        record: dict[str, Any] = {"i": i, "t": round(sent_at, 4), "wall": round(time.time(), 4)}
         started = time.monotonic()
         try:
             conn = http.client.HTTPConnection(target.hostname, target.port, timeout=timeout_ms / 1000 + 30)
@@ -108,13 +112,16 @@ def main() -> None:
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
     ap.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline sent to the server")
     ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--tenant", default=None)
+    ap.add_argument("--tenant", default=None, help="X-Tenant header (when the server runs without keys)")
+    ap.add_argument("--key", default=None, help="API key, sent as Authorization: Bearer")
+    ap.add_argument("--priority", choices=["interactive", "offline"], default=None)
     ap.add_argument("--poison-every", type=int, default=0, help="make every Nth input a poison one")
     ap.add_argument("--poison-marker", default="__raise_here__")
     ap.add_argument("--out", help="write the summary and every request's record here (JSON)")
     args = ap.parse_args()
     result = run(args.url, args.rate, args.duration, args.timeout_ms, seed=args.seed, tenant=args.tenant,
-                 poison_every=args.poison_every, poison_marker=args.poison_marker)
+                 poison_every=args.poison_every, poison_marker=args.poison_marker, key=args.key,
+                 priority=args.priority)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -1,43 +1,89 @@
-"""Admission at the door, shared by every API process through Redis: quarantine check and cap.
+"""Admission at the door, shared by every API process through Redis: quarantine check and three caps.
 
-The cap is the configured one, or less when the fleet could not answer a new request within its deadline
-(:func:`deadline_cap`): refusing at once beats letting the caller wait to time out.
+An item is admitted only if it fits under all of:
 
-Members of one sorted set are the ids of admitted, unanswered items, scored by their deadline; a second
-sorted set holds the same ids scored by arrival time (for the age of the oldest waiting request). Admission
-is one Lua call: refuse a quarantined input; forget members whose deadline has passed (so an API process
-that died cannot leak capacity for longer than its callers' deadlines); admit all of a call's items only if
-they fit under the cap.
+- the global cap (``LLMB_ADMISSION_CAP``): what the whole system holds;
+- its model's cap: what that model's workers can answer within the caller's deadline (:func:`deadline_cap`),
+  so overload is refused at once rather than left to time out;
+- its tenant's in-flight cap, so one tenant cannot take the whole system (the others are unaffected).
+
+Each cap is a sorted set of the ids of admitted, unanswered items scored by their deadline; the model also
+has a set scored by arrival time, for the age of its oldest waiting request (the autoscaling signal), and
+a per-second arrival counter, for its arrival rate. Admission is one Lua call: refuse a quarantined input;
+forget members whose deadline has passed (so an API process that died cannot leak capacity for longer than
+its callers' deadlines); admit all of a call's items only if they fit.
 """
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 
 import redis
 
 from tasks.fleet import WorkerInfo
 
-# KEYS: inflight (by deadline), arrivals (by arrival), quarantine set
-# ARGV: now, cap, deadline, n_items, item ids..., input hashes...
-_ADMIT = """
-local n = tonumber(ARGV[4])
-for i = 5 + n, #ARGV do
-  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
-end
-local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-if #expired > 0 then
-  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', ARGV[1])
-  for i = 1, #expired, 1000 do
-    redis.call('ZREM', KEYS[2], unpack(expired, i, math.min(i + 999, #expired)))
+RATE_WINDOW_S = 10  # the arrival rate is the mean over this many whole seconds
+
+# Forget expired members of a deadline set and of its arrival set. KEYS: set by deadline, set by arrival or ''.
+_PURGE = """
+local function purge(by_deadline, by_arrival, now)
+  local expired = redis.call('ZRANGEBYSCORE', by_deadline, '-inf', now)
+  if #expired > 0 then
+    redis.call('ZREMRANGEBYSCORE', by_deadline, '-inf', now)
+    if by_arrival ~= '' then
+      for i = 1, #expired, 1000 do
+        redis.call('ZREM', by_arrival, unpack(expired, i, math.min(i + 999, #expired)))
+      end
+    end
   end
 end
-if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[2]) then return 'full' end
-for i = 5, 4 + n do
-  redis.call('ZADD', KEYS[1], ARGV[3], ARGV[i])
-  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+"""
+
+# KEYS: global (deadline), global arrivals, quarantine, tenant (deadline), model (deadline), model arrivals,
+#       model arrival counter for this second
+# ARGV: now, global cap, model cap, tenant cap, deadline, n, item ids..., input hashes...
+_ADMIT = _PURGE + """
+local n = tonumber(ARGV[6])
+for i = 7 + n, #ARGV do
+  if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
+purge(KEYS[1], KEYS[2], ARGV[1])
+purge(KEYS[4], '', ARGV[1])
+purge(KEYS[5], KEYS[6], ARGV[1])
+if redis.call('ZCARD', KEYS[4]) + n > tonumber(ARGV[4]) then return 'tenant_full' end
+if redis.call('ZCARD', KEYS[5]) + n > tonumber(ARGV[3]) then return 'full' end
+if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[2]) then return 'full' end
+for i = 7, 6 + n do
+  redis.call('ZADD', KEYS[1], ARGV[5], ARGV[i])
+  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
+  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[i])
+  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
+  redis.call('ZADD', KEYS[6], ARGV[1], ARGV[i])
+end
+redis.call('INCRBY', KEYS[7], n)
+redis.call('EXPIRE', KEYS[7], 60)
 return 'ok'
+"""
+
+# KEYS: the five sets of one call, result keys...; ARGV: the item ids of those keys, in order.
+# Reads the results and releases the admission of every item that has one, in one round trip.
+_COLLECT = """
+local values = redis.call('MGET', unpack(KEYS, 6))
+for i = 1, #values do
+  if values[i] then
+    for k = 1, 5 do redis.call('ZREM', KEYS[k], ARGV[i]) end
+  end
+end
+return values
+"""
+
+# KEYS: model (deadline), model arrivals; ARGV: now. The oldest unanswered arrival of a model, after purging.
+_OLDEST = _PURGE + """
+purge(KEYS[1], KEYS[2], ARGV[1])
+local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+if #oldest == 0 then return false end
+return oldest[2]
 """
 
 
@@ -56,24 +102,19 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     return min(configured, max(floor, int(throughput * timeout_s)))
 
 
-# KEYS: inflight, arrivals, result keys...; ARGV: the item ids of those keys, in order.
-# Reads the results and releases the admission of every item that has one, in one round trip.
-_COLLECT = """
-local values = redis.call('MGET', unpack(KEYS, 3))
-for i = 1, #values do
-  if values[i] then
-    redis.call('ZREM', KEYS[1], ARGV[i])
-    redis.call('ZREM', KEYS[2], ARGV[i])
-  end
-end
-return values
-"""
-
-
 class Verdict(StrEnum):
     OK = "ok"
     FULL = "full"
+    TENANT_FULL = "tenant_full"
     QUARANTINED = "quarantined"
+
+
+@dataclass(frozen=True)
+class Ticket:
+    """Where a call's items were admitted: the sets to release them from."""
+
+    tenant: str
+    model: str
 
 
 class Admission:
@@ -85,33 +126,69 @@ class Admission:
         self.cap = cap
         self._admit = client.register_script(_ADMIT)
         self._collect = client.register_script(_COLLECT)
+        self._oldest = client.register_script(_OLDEST)
 
-    def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, now: float, deadline: float,
-                  cap: int | None = None) -> tuple[Verdict, str | None]:
-        """Admit all items or none, under ``cap`` (default: the configured one). Returns the verdict and,
-        when quarantined, the offending input hash."""
-        raw = self._admit(keys=[self.key, self.arrivals_key, self.quarantine_key],
-                          args=[now, self.cap if cap is None else cap, deadline, len(item_ids), *item_ids, *hashes])
+    def tenant_key(self, tenant: str) -> str:
+        return f"{self.key}:t:{tenant}"
+
+    def model_key(self, model: str) -> str:
+        return f"{self.key}:m:{model}"
+
+    def _sets(self, ticket: Ticket) -> list[str]:
+        model = self.model_key(ticket.model)
+        return [self.key, self.arrivals_key, self.tenant_key(ticket.tenant), model, model + ":arrivals"]
+
+    def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
+                  deadline: float, model_cap: int | None = None, tenant_cap: int | None = None
+                  ) -> tuple[Verdict, str | None]:
+        """Admit all items or none. Returns the verdict and, when quarantined, the offending input hash."""
+        keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant),
+                self.model_key(ticket.model), self.model_key(ticket.model) + ":arrivals",
+                f"{self.model_key(ticket.model)}:rate:{int(now)}"]
+        raw = self._admit(keys=keys, args=[now, self.cap, self.cap if model_cap is None else model_cap,
+                                           self.cap if tenant_cap is None else tenant_cap, deadline, len(item_ids),
+                                           *item_ids, *hashes])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         if text.startswith("quarantined:"):
             return Verdict.QUARANTINED, text.split(":", 1)[1]
         return Verdict(text), None
 
-    def collect(self, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
-        """Read these items' result keys; items that have a result stop counting against the cap."""
-        return list(self._collect(keys=[self.key, self.arrivals_key, *result_keys], args=list(item_ids)))
+    def collect(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
+        """Read these items' result keys; items that have a result stop counting against the caps."""
+        return list(self._collect(keys=[*self._sets(ticket), *result_keys], args=list(item_ids)))
 
-    def release(self, item_ids: Sequence[str]) -> None:
+    def release(self, ticket: Ticket, item_ids: Sequence[str]) -> None:
         if item_ids:
             pipe = self.client.pipeline(transaction=False)
-            pipe.zrem(self.key, *item_ids)
-            pipe.zrem(self.arrivals_key, *item_ids)
+            for key in self._sets(ticket):
+                pipe.zrem(key, *item_ids)
             pipe.execute()
 
     def in_flight(self, now: float) -> int:
         return int(self.client.zcount(self.key, now, "+inf"))
 
+    def tenant_in_flight(self, tenant: str, now: float) -> int:
+        return int(self.client.zcount(self.tenant_key(tenant), now, "+inf"))
+
     def oldest_arrival(self) -> float | None:
         """Arrival time (epoch) of the oldest admitted, unanswered item, if any."""
         oldest = self.client.zrange(self.arrivals_key, 0, 0, withscores=True)
         return float(oldest[0][1]) if oldest else None
+
+    def model_load(self, models: Sequence[str], now: float) -> dict[str, "ModelLoad"]:
+        """Per model: age of the oldest unanswered request and the arrival rate (items/s) of the last seconds."""
+        out: dict[str, ModelLoad] = {}
+        second = int(now)
+        for model in models:
+            base = self.model_key(model)
+            oldest = self._oldest(keys=[base, base + ":arrivals"], args=[now])
+            counts = self.client.mget([f"{base}:rate:{second - k}" for k in range(1, RATE_WINDOW_S + 1)])
+            rate = sum(int(c or 0) for c in counts) / RATE_WINDOW_S
+            out[model] = ModelLoad(oldest_age_s=max(0.0, now - float(oldest)) if oldest else 0.0, rate_per_s=rate)
+        return out
+
+
+@dataclass(frozen=True)
+class ModelLoad:
+    oldest_age_s: float
+    rate_per_s: float

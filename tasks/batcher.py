@@ -22,11 +22,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from tasks.fairness import FairBuffer, Waiting
 from tasks.fleet import WorkerInfo
-from tasks.flush import BatchBuffer, FlushPolicy, Pending
+from tasks.flush import FlushPolicy
 from tasks.isolation import Plan, plan
 from tasks.scheduler import Scheduler
 from tasks.schema import Batch, BatchItem, Failure, InferenceRequest
+from tasks.wait import ArrivalRate, WaitPolicy
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +64,9 @@ class Batcher:
         max_outstanding: int = 2,
         lead_s: float = 0.015,
         max_retries: int = 3,
+        wait: WaitPolicy | None = None,
+        quantum: int = 10,
+        offline_wait_s: float = 0.5,
         on_dropped: Callable[[str, list[BatchItem]], None] = lambda model, items: None,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
@@ -74,7 +79,11 @@ class Batcher:
         self.clock = clock
         self.wallclock = wallclock
         self.scheduler = Scheduler(max_outstanding, lead_s=lead_s)
-        self.buffers: dict[str, BatchBuffer[_Entry]] = {}
+        self.wait = wait or WaitPolicy(mode="fixed", fixed_s=policy.max_wait_s)
+        self.quantum = quantum
+        self.offline_wait_s = offline_wait_s
+        self.buffers: dict[str, FairBuffer[_Entry]] = {}
+        self.rates: dict[str, ArrivalRate] = {}  # items arriving per second, per model (for the adaptive wait)
         # Models whose ready batch found no worker able to take it, with when to try again (None: when a
         # worker announces something or the periodic poll runs). Their buffers keep filling meanwhile.
         self.held: dict[str, float | None] = {}
@@ -97,7 +106,7 @@ class Batcher:
         delivery = _Delivery(ack=ack, remaining=len(request.items))
         buffer = self.buffers.get(request.model)
         if buffer is None:
-            buffer = self.buffers[request.model] = BatchBuffer(self.policy)
+            buffer = self.buffers[request.model] = self._new_buffer()
         for item in request.items:
             entry = _Entry(
                 BatchItem(id=item.id, request_id=request.id, input=item.input, deadline=request.deadline,
@@ -105,17 +114,20 @@ class Batcher:
                           params=request.params),
                 delivery,
             )
-            buffer.add(entry, now=now, deadline=request.deadline + offset)
+            buffer.add(entry, now=now, deadline=request.deadline + offset, tenant=request.tenant,
+                       weight=request.weight, priority=request.priority)
+        self.rates.setdefault(request.model, ArrivalRate()).observe(len(request.items), now)
         self.stats["requests"] += 1
         self.stats["items"] += len(request.items)
         if request.model in self.held:
             return None  # already waiting for a worker; a full batch changes nothing
-        if buffer.is_ready(now):
+        if buffer.is_ready(now, self._wait_s(request.model, buffer, now)):
             self.flush(request.model)
             buffer = self.buffers.get(request.model)
             if buffer is None or request.model in self.held:
                 return None
-        return buffer.seconds_until_ready(self.clock())
+        now = self.clock()
+        return buffer.seconds_until_ready(now, self._wait_s(request.model, buffer, now))
 
     def discard_all(self) -> int:
         """Forget every buffered item and retry without acknowledging it (the broker will redeliver them)."""
@@ -137,21 +149,21 @@ class Batcher:
                 self.flush(model)
         now = self.clock()
         waits = [w for m, b in self.buffers.items()
-                 if m not in self.held and (w := b.seconds_until_ready(now)) is not None]
+                 if m not in self.held and (w := b.seconds_until_ready(now, self._wait_s(m, b, now))) is not None]
         waits += [0.0 for m in self.retries if m not in self.held]
         waits += [max(0.0, at - now) for at in self.held.values() if at is not None]
         return min(waits, default=None)
 
     def flush(self, model: str) -> int:
         """Send as many ready batches of ``model`` as there are; returns how many were sent."""
-        buffer = self.buffers.get(model) or BatchBuffer(self.policy)
+        buffer = self.buffers.get(model) or self._new_buffer()
         retries = self.retries.get(model) or deque()
         now = self.clock()
         self._drop(model, buffer, now)
         sent = 0
         self.held.pop(model, None)
         workers: list[WorkerInfo] | None = None
-        while retries or buffer.is_ready(now):
+        while retries or buffer.is_ready(now, self._wait_s(model, buffer, now)):
             if workers is None:
                 workers = self.live_workers()
             choice = self.scheduler.choose(workers, model, now)
@@ -257,7 +269,25 @@ class Batcher:
             self.held[model] = self.clock()  # due now: poll() re-asks the scheduler
         return self.poll()
 
-    def _drop(self, model: str, buffer: BatchBuffer[_Entry], horizon: float) -> int:
+    def _new_buffer(self) -> FairBuffer[_Entry]:
+        return FairBuffer(self.policy, quantum=self.quantum, offline_wait_s=self.offline_wait_s)
+
+    def _wait_s(self, model: str, buffer: FairBuffer[_Entry], now: float) -> float:
+        """How long this model's oldest interactive item may wait (see :mod:`tasks.wait`)."""
+        if self.wait.mode == "fixed" or not buffer:
+            return self.wait.fixed_s
+        workers = self.live_workers()
+        times = [w.batch_ms_estimate / 1000 for w in workers if w.model == model and w.batch_ms_estimate > 0]
+        oldest = buffer.oldest_arrival()
+        rate = self.rates[model].rate(now) if model in self.rates else 0.0
+        return self.wait.wait_s(
+            waiting=len(buffer), waited_s=0.0 if oldest is None else now - oldest,
+            max_batch=self.policy.max_batch_size, rate_per_s=rate,
+            batch_s=sum(times) / len(times) if times else None,
+            device_free=self.scheduler.choose(workers, model, now).worker is not None,
+        )
+
+    def _drop(self, model: str, buffer: FairBuffer[_Entry], horizon: float) -> int:
         """Drop items whose deadline falls before ``horizon``: their callers are gone by then anyway."""
         dropped = buffer.drop_expired(horizon)
         for entry in dropped:
@@ -267,7 +297,7 @@ class Batcher:
             self.on_dropped(model, [e.item for e in dropped])
         return len(dropped)
 
-    def _batch(self, model: str, pending: list[Pending[_Entry]]) -> Batch:
+    def _batch(self, model: str, pending: list[Waiting[_Entry]]) -> Batch:
         return Batch(
             id=uuid.uuid4().hex, model=model, created_at=self.wallclock(),
             items=tuple(p.item.item for p in pending),

@@ -8,17 +8,22 @@ import json
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import click
 import redis
-from sqlalchemy import select
+from sqlalchemy import inspect, select
+from sqlalchemy.engine import make_url
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from tasks.admission import Admission
+from tasks.autoscale import model_report
 from tasks.config import Settings
 from tasks.errors import BatchingError
 from tasks.fleet import Fleet
@@ -26,6 +31,7 @@ from tasks.gateway import Call, Gateway
 from tasks.ledger import BatchRecord, BatchRequest, Ledger, Released, RequestRecord, make_engine
 from tasks.quarantine import Quarantine
 from tasks.queues import RequestPublisher
+from tasks.tenants import KeyInfo, KeyStore, Priority, TenantPolicy
 
 MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -108,7 +114,8 @@ def workers(admin: Admin, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 @pass_admin
 def stats(admin: Admin, interval: float, as_json: bool) -> None:
-    """Queue depth, age of the oldest waiting request, batches per second and how full they are."""
+    """Queue depth, age of the oldest waiting request, batches per second and how full they are; per model, the
+    autoscaling signal (oldest queued request, arrival rate, recommended workers)."""
     s = admin.settings
     keys = [s.key("stats", "items_done"), s.key("stats", "batches_done"), s.key("stats", "ledger_dropped"),
             s.key("stats", "tokens")]
@@ -124,7 +131,9 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         in_flight = admission.in_flight(now)
         oldest = admission.oldest_arrival()
         quarantined = int(admin.redis.scard(s.key("quarantine")))
-        live = len(admin.fleet().live(now))
+        live_workers = admin.fleet().live(now)
+        live = len(live_workers)
+        models = model_report(s, admission, live_workers, now)
     except redis.RedisError as exc:
         fail(f"cannot reach Redis at {s.redis_url}: {exc}")
     try:
@@ -152,10 +161,17 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         "ledger_records_dropped": after[2],
     }
     if as_json:
-        click.echo(json.dumps(report, indent=2))
+        click.echo(json.dumps({**report, "models": models}, indent=2))
         return
     for key, value in report.items():
         click.echo(f"{key.replace('_', ' '):<24} {'-' if value is None else value}")
+    if models:
+        click.echo(f"\n{'MODEL':<24} {'WORKERS':>7} {'OLDEST':>8} {'ITEMS/S':>8} {'BATCH':>8} {'RECOMMENDED':>11}")
+    for m in models:
+        batch = "-" if m["batch_ms"] is None else f"{m['batch_ms']:.0f}ms"
+        rec = "-" if m["recommended_workers"] is None else m["recommended_workers"]
+        click.echo(f"{m['model']:<24} {m['workers']:>7} {m['oldest_queued_s']:>7.2f}s {m['arrival_rate_per_s']:>8.1f} "
+                   f"{batch:>8} {rec:>11}")
 
 
 # -- running stored requests again ----------------------------------------------------------------------
@@ -334,6 +350,151 @@ def downgrade(admin: Admin, revision: str) -> None:
 
     command.downgrade(_alembic(admin), revision)
     click.echo(f"database at {admin.settings.database_url} is at {revision}")
+
+
+# -- tenants and API keys -------------------------------------------------------------------------------
+@contextmanager
+def _key_store(admin: Admin) -> Iterator[KeyStore]:
+    """The store, with database failures told as what to do about them."""
+    url = admin.settings.database_url
+    try:
+        shown = make_url(url).render_as_string(hide_password=True)
+        store = KeyStore.from_settings(admin.settings)
+    except ValueError as exc:  # LLMB_TENANT_* defaults out of range
+        fail(f"invalid tenant defaults: {exc}")
+    except SQLAlchemyError as exc:
+        fail(f"invalid database URL {url!r}: {exc}")
+    try:
+        yield store
+    except SQLAlchemyError as exc:
+        _explain_database_error(store, shown, exc)
+
+
+def _explain_database_error(store: KeyStore, shown: str, exc: SQLAlchemyError) -> NoReturn:
+    try:
+        tables = set(inspect(store.engine).get_table_names())
+    except SQLAlchemyError:
+        raise click.ClickException(f"cannot reach the database at {shown}: {type(exc).__name__}: "
+                                   f"{_first_line(exc)}") from None
+    if not {"tenants", "api_keys"} <= tables:
+        raise click.ClickException(f"the database at {shown} has no tenant tables yet: run `llmb-admin db upgrade`")
+    raise click.ClickException(f"database error at {shown}: {type(exc).__name__}: {_first_line(exc)}")
+
+
+def _first_line(exc: Exception) -> str:
+    """SQLAlchemy's messages go on with the statement and a link: the first line says what happened."""
+    return (str(exc).splitlines() or [""])[0]
+
+
+def _policy_dict(p: TenantPolicy) -> dict[str, Any]:
+    return {"name": p.name, "weight": p.weight, "max_in_flight": p.max_in_flight, "priority": p.priority.value}
+
+
+def _key_dict(k: KeyInfo) -> dict[str, Any]:
+    return {"id": k.id, "tenant": k.tenant, "admin": k.admin, "label": k.label,
+            "created_at": k.created_at.isoformat(), "revoked_at": k.revoked_at.isoformat() if k.revoked_at else None}
+
+
+@cli.group()
+def tenants() -> None:
+    """Tenants' weights, in-flight caps and priority classes (defaults: LLMB_TENANT_*)."""
+
+
+@tenants.command("set")
+@click.argument("name")
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True),
+              help="Share of batch slots when tenants compete (default: LLMB_TENANT_WEIGHT).")
+@click.option("--max-in-flight", type=click.IntRange(min=1),
+              help="Items admitted and not yet answered; over it: 429 (default: LLMB_TENANT_MAX_IN_FLIGHT).")
+@click.option("--priority", type=click.Choice([p.value for p in Priority]),
+              help="Priority class (default: LLMB_TENANT_PRIORITY).")
+@pass_admin
+def tenants_set(admin: Admin, name: str, weight: float | None, max_in_flight: int | None,
+                priority: str | None) -> None:
+    """Create or change a tenant's settings; what is not given stays as it was."""
+    with _key_store(admin) as store:
+        try:
+            policy = store.set_tenant(name, weight=weight, max_in_flight=max_in_flight, priority=priority)
+        except ValueError as exc:
+            fail(str(exc))
+    click.echo(f"{policy.name}  weight={policy.weight:g}  max_in_flight={policy.max_in_flight}  "
+               f"priority={policy.priority.value}")
+
+
+@tenants.command("list")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_admin
+def tenants_list(admin: Admin, as_json: bool) -> None:
+    """Every tenant with settings or a key, with its effective policy."""
+    with _key_store(admin) as store:
+        rows = store.list_tenants()
+    if as_json:
+        click.echo(json.dumps([_policy_dict(p) for p in rows], indent=2))
+        return
+    d = store.defaults
+    if not rows:
+        click.echo(f"no tenant has settings or keys; every tenant gets the defaults: weight={d.weight:g}, "
+                   f"max_in_flight={d.max_in_flight}, priority={d.priority.value}")
+        return
+    click.echo(f"{'TENANT':<32} {'WEIGHT':>8} {'MAX IN FLIGHT':>13}  PRIORITY")
+    for p in rows:
+        click.echo(f"{p.name:<32} {p.weight:>8g} {p.max_in_flight:>13}  {p.priority.value}")
+
+
+@cli.group()
+def keys() -> None:
+    """API keys: `Authorization: Bearer <key>` names the tenant (the database keeps only their SHA-256)."""
+
+
+@keys.command("create")
+@click.argument("tenant")
+@click.option("--admin", "is_admin", is_flag=True, help="The key may also use admin operations.")
+@click.option("--label", help="A note to tell keys apart (who holds it, what for).")
+@pass_admin
+def keys_create(admin: Admin, tenant: str, is_admin: bool, label: str | None) -> None:
+    """Issue a key for TENANT and print it, alone, on stdout: it is shown this once and never again."""
+    with _key_store(admin) as store:
+        try:
+            key_id, key = store.create_key(tenant, admin=is_admin, label=label)
+        except ValueError as exc:
+            fail(str(exc))
+    click.echo(key)
+    click.echo(f"created {'admin ' if is_admin else ''}key {key_id} for tenant {tenant}: it is shown only once, "
+               f"store it now (revoke it with `llmb-admin keys revoke {key_id}`)", err=True)
+
+
+@keys.command("list")
+@click.option("--tenant", help="Only this tenant's keys.")
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@pass_admin
+def keys_list(admin: Admin, tenant: str | None, as_json: bool) -> None:
+    """Issued keys by id (never the keys themselves), revoked ones included."""
+    with _key_store(admin) as store:
+        rows = store.list_keys(tenant)
+    if as_json:
+        click.echo(json.dumps([_key_dict(k) for k in rows], indent=2))
+        return
+    if not rows:
+        click.echo("no key has been issued" + (f" for {tenant}" if tenant else "") +
+                   " (issue one with `llmb-admin keys create <tenant>`)")
+        return
+    click.echo(f"{'ID':<10} {'TENANT':<24} {'ADMIN':<5} {'CREATED':<20} {'REVOKED':<20} LABEL")
+    for k in rows:
+        revoked = k.revoked_at.strftime("%Y-%m-%d %H:%M:%S") if k.revoked_at else "-"
+        click.echo(f"{k.id:<10} {k.tenant:<24} {'yes' if k.admin else 'no':<5} "
+                   f"{k.created_at.strftime('%Y-%m-%d %H:%M:%S'):<20} {revoked:<20} {k.label or ''}")
+
+
+@keys.command("revoke")
+@click.argument("key_id")
+@pass_admin
+def keys_revoke(admin: Admin, key_id: str) -> None:
+    """Revoke a key by id; API processes stop accepting it within LLMB_AUTH_CACHE_S."""
+    with _key_store(admin) as store:
+        revoked = store.revoke(key_id)
+    if not revoked:
+        fail(f"no active key with id {key_id!r}: unknown or already revoked (see `llmb-admin keys list`)")
+    click.echo(f"revoked {key_id}; API processes refuse it within {admin.settings.auth_cache_s:g} s")
 
 
 def main() -> None:

@@ -32,7 +32,20 @@ class Settings:
 
     max_batch_size: int = 100
     max_wait_ms: float = 20.0
-    batcher_prefetch: int = 1000
+    wait_mode: str = "adaptive"
+    min_wait_ms: float = 1.0
+    adaptive_max_wait_ms: float = 50.0
+    offline_max_wait_ms: float = 500.0
+    batcher_prefetch: int = 10000
+
+    auth: str = "keys"
+    auth_cache_s: float = 5.0
+    tenant_weight: float = 1.0
+    tenant_max_in_flight: int = 5000
+    tenant_priority: str = "interactive"
+    fair_quantum: int = 10
+    offline_max_timeout_ms: int = 3_600_000
+    scale_headroom: float = 1.25
 
     admission_cap: int = 10000
     max_inputs_per_call: int = 100
@@ -133,7 +146,19 @@ DOCS: dict[str, str] = {
     "device_price_per_hour": "What one device costs per hour (any currency): `llmb-admin stats` turns it into a cost per million tokens.",
     "max_batch_size": "A batch is flushed as soon as it holds this many items.",
     "max_wait_ms": "...or when its first item has waited this long.",
-    "batcher_prefetch": "Request messages the batcher may hold unacknowledged (its buffer bound).",
+    "wait_mode": "'adaptive' (the wait shrinks to min_wait_ms when batches fill on their own or no device is free, and stretches up to adaptive_max_wait_ms when a full batch is that close) or 'fixed' (always max_wait_ms).",
+    "min_wait_ms": "Adaptive mode: the shortest wait (coalesces requests that arrive together).",
+    "adaptive_max_wait_ms": "Adaptive mode: the longest wait, and never more than a fifth of the measured batch time.",
+    "offline_max_wait_ms": "Offline requests' batches may wait this long to fill (throughput over latency).",
+    "batcher_prefetch": "Request messages the batcher may hold unacknowledged (its buffer bound). Keep it at least the admission cap, so every admitted request is in a batcher's fair buffer rather than behind a flood in the FIFO queue.",
+    "auth": "'keys': every inference call needs `Authorization: Bearer <key>` (keys from `llmb-admin keys create`); 'none': no authentication, the tenant comes from X-Tenant or the body (for local use only).",
+    "auth_cache_s": "API processes cache key lookups this long: a revoked key stops working within this time.",
+    "tenant_weight": "Weight of a tenant with no settings of its own (its share of batch slots when tenants compete).",
+    "tenant_max_in_flight": "In-flight cap of a tenant with no settings of its own (items admitted, not yet answered); over it: 429.",
+    "tenant_priority": "Priority class of a tenant with no settings of its own: 'interactive' or 'offline'.",
+    "fair_quantum": "Items a tenant of weight 1 may put in a batch per round of weighted deficit round robin.",
+    "offline_max_timeout_ms": "Largest timeout_ms an offline request may ask for.",
+    "scale_headroom": "Recommended workers = arrival rate x batch time / batch size x this.",
     "admission_cap": "Most items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.",
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",

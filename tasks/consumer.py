@@ -33,6 +33,7 @@ from tasks.queues import RETRY_POLICY, recovery_queue, request_queue
 from tasks.recovery import Recovery
 from tasks.results import ResultWriter
 from tasks.schema import Batch, BatchItem, InferenceRequest
+from tasks.wait import WaitPolicy
 
 log = logging.getLogger("llmb.batcher")
 
@@ -52,6 +53,9 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000), self._dispatch,
                                self._live_workers, max_outstanding=s.max_outstanding_batches,
                                lead_s=s.dispatch_lead_ms / 1000, max_retries=s.max_retries,
+                               wait=WaitPolicy(s.wait_mode, s.max_wait_ms / 1000, s.min_wait_ms / 1000,
+                                               s.adaptive_max_wait_ms / 1000),
+                               quantum=s.fair_quantum, offline_wait_s=s.offline_max_wait_ms / 1000,
                                on_dropped=self._on_dropped)
         self.recovery = Recovery(
             self.batcher, self.fleet, Claims(client, s.key("claim")), Quarantine(client, s.key("quarantine")),
@@ -81,8 +85,13 @@ class BatchingStep(bootsteps.ConsumerStep):
     def start(self, c: Any) -> None:
         super().start(c)
         self._tick = c.timer.call_repeatedly(self.settings.heartbeat_interval_s / 2, self._on_tick)
-        log.info("batcher consuming %s (max_batch_size=%d, max_wait_ms=%g)", self.settings.request_queue,
-                 self.settings.max_batch_size, self.settings.max_wait_ms)
+        s = self.settings
+        log.info("batcher consuming %s (max_batch_size=%d, wait_mode=%s, max_wait_ms=%g, prefetch=%d)",
+                 s.request_queue, s.max_batch_size, s.wait_mode, s.max_wait_ms, s.batcher_prefetch)
+        if s.batcher_prefetch < s.admission_cap:
+            log.warning("LLMB_BATCHER_PREFETCH (%d) is below LLMB_ADMISSION_CAP (%d): under a flood, other "
+                        "tenants' requests can wait behind it in the request queue where fairness cannot see "
+                        "them", s.batcher_prefetch, s.admission_cap)
 
     def stop(self, c: Any) -> None:
         self._cancel_timers()

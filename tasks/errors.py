@@ -21,6 +21,20 @@ class InvalidInput(BatchingError):
     type = "invalid_request"
 
 
+class Unauthorized(BatchingError):
+    """Raised when a request carries no API key, or an unknown or revoked one."""
+
+    status = 401
+    type = "unauthorized"
+
+
+class Forbidden(BatchingError):
+    """Raised when a valid key asks for something it may not do (an admin route without an admin key)."""
+
+    status = 403
+    type = "forbidden"
+
+
 class PayloadTooLarge(BatchingError):
     """Raised when a body exceeds the configured size limit."""
 
@@ -40,6 +54,12 @@ class QueueFull(BatchingError):
 
     status = 429
     type = "queue_full"
+
+
+class TenantOverLimit(QueueFull):
+    """Raised when admitting the request would take its tenant over the tenant's own in-flight cap."""
+
+    type = "tenant_over_limit"
 
 
 class Unavailable(BatchingError):

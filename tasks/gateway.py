@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import Generator
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -16,7 +16,7 @@ import redis
 from amqp.exceptions import AMQPError
 from kombu.exceptions import KombuError
 
-from tasks.admission import Admission, Verdict, deadline_cap
+from tasks.admission import Admission, Ticket, Verdict, deadline_cap
 from tasks.config import Settings
 from tasks.errors import (
     BatchingError,
@@ -26,6 +26,7 @@ from tasks.errors import (
     PoisonInput,
     QueueFull,
     RetriesExhausted,
+    TenantOverLimit,
     Unavailable,
 )
 from tasks.fleet import Fleet, WorkerInfo
@@ -61,6 +62,9 @@ class Call:
     inputs: tuple[str, ...]
     timeout_ms: int
     params: dict[str, Any] = field(default_factory=dict)  # model parameters, passed to the worker as they are
+    weight: float = 1.0  # the tenant's share of batch slots when tenants compete
+    priority: str = "interactive"  # or "offline"
+    tenant_cap: int | None = None  # the tenant's in-flight cap (None: only the global caps)
 
 
 @dataclass(frozen=True)
@@ -83,10 +87,8 @@ class Gateway:
         def result_key(item_id: str) -> str:
             return settings.key("result", item_id)
 
-        self.listener = ResultListener(
-            client, self.reply_to, result_key, settings.result_recheck_ms / 1000,
-            read=lambda ids: self.admission.collect(ids, [result_key(i) for i in ids]),
-        )
+        self.result_key = result_key
+        self.listener = ResultListener(client, self.reply_to, result_key, settings.result_recheck_ms / 1000)
         self._workers: list[WorkerInfo] = []
         self._workers_checked = 0.0
 
@@ -104,19 +106,26 @@ class Gateway:
     def live_models(self) -> set[str]:
         return {w.model for w in self.live_workers()}
 
-    def cap_for(self, timeout_s: float) -> int:
-        return deadline_cap(self.live_workers(), timeout_s, self.settings.admission_cap)
+    def cap_for(self, model: str, timeout_s: float) -> int:
+        """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s``."""
+        workers = [w for w in self.live_workers() if w.model == model]
+        return deadline_cap(workers, timeout_s, self.settings.admission_cap)
+
+    def _reader(self, ticket: Ticket) -> Callable[[Sequence[str]], list[bytes | None]]:
+        """Reads a call's results and releases the admission of those that have one, in one round trip."""
+        return lambda ids: self.admission.collect(ticket, ids, [self.result_key(i) for i in ids])
 
     def submit(self, call: Call) -> Answer:
         """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure."""
         ids, deadline, accepted_at = self._enter(call)
+        ticket = Ticket(call.tenant, call.model)
         found: dict[str, ItemResult] = {}
         try:
-            found = self.listener.wait(ids, deadline)
+            found = self.listener.wait(ids, deadline, self._reader(ticket))
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
         finally:  # items with a result were released as they were read: release the rest
-            self._release([i for i in ids if i not in found])
+            self._release(ticket, [i for i in ids if i not in found])
         if len(found) < len(ids):
             self.cancel([i for i in ids if i not in found])
             raise DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
@@ -133,12 +142,12 @@ class Gateway:
         if len(call.inputs) != 1:
             raise InvalidInput("streaming takes exactly one prompt")
         ids, deadline, _ = self._enter(replace(call, params={**call.params, "stream": True}))
-        return self._events(ids[0], deadline)
+        return self._events(Ticket(call.tenant, call.model), ids[0], deadline)
 
-    def _events(self, item_id: str, deadline: float) -> Generator[tuple[str, Any], None, None]:
+    def _events(self, ticket: Ticket, item_id: str, deadline: float) -> Generator[tuple[str, Any], None, None]:
         finished = False
         try:
-            for kind, value in self.listener.stream(item_id, deadline):
+            for kind, value in self.listener.stream(item_id, deadline, self._reader(ticket)):
                 if kind == "delta":
                     yield kind, value
                 elif kind == "done":
@@ -151,7 +160,7 @@ class Gateway:
         finally:
             if not finished:
                 self.cancel([item_id])
-                self._release([item_id])
+                self._release(ticket, [item_id])
 
     def cancel(self, item_ids: list[str]) -> None:
         """Tell the workers these callers are gone, so generation for them stops (best effort)."""
@@ -169,18 +178,24 @@ class Gateway:
         request = InferenceRequest(
             id=call.request_id, tenant=call.tenant, model=call.model, items=items,
             accepted_at=accepted_at, deadline=accepted_at + call.timeout_ms / 1000, reply_to=self.reply_to,
-            params=call.params,
+            params=call.params, weight=call.weight, priority=call.priority,
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
+        ticket = Ticket(call.tenant, call.model)
         try:
-            verdict, bad_hash = self.admission.try_admit(ids, hashes, now=accepted_at, deadline=request.deadline,
-                                                         cap=self.cap_for(call.timeout_ms / 1000))
+            verdict, bad_hash = self.admission.try_admit(
+                ids, hashes, ticket=ticket, now=accepted_at, deadline=request.deadline,
+                model_cap=self.cap_for(call.model, call.timeout_ms / 1000), tenant_cap=call.tenant_cap)
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         if verdict is Verdict.QUARANTINED:
             raise PoisonInput(f"input {hashes.index(bad_hash or '')} is quarantined (hash {bad_hash}): it failed "
                               "alone before; an operator can release it with "
                               f"`llmb-admin quarantine release {bad_hash}`")
+        if verdict is Verdict.TENANT_FULL:
+            raise TenantOverLimit(
+                f"tenant {call.tenant!r} has {call.tenant_cap} items in flight, its cap; retry when some are "
+                "answered (other tenants are not affected)", retry_after_s=self.settings.retry_after_s)
         if verdict is Verdict.FULL:
             raise QueueFull(
                 "the service is full: no room to answer this request within its deadline; retry later",
@@ -197,13 +212,13 @@ class Gateway:
             except BROKER_ERRORS as exc:
                 raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
         except BaseException:
-            self._release(ids)
+            self._release(ticket, ids)
             raise
         return ids, deadline, accepted_at
 
-    def _release(self, item_ids: list[str]) -> None:
+    def _release(self, ticket: Ticket, item_ids: list[str]) -> None:
         try:
-            self.admission.release(item_ids)
+            self.admission.release(ticket, item_ids)
         except redis.RedisError:
             pass  # the member expires at its deadline anyway
 

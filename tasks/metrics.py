@@ -21,6 +21,8 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tasks.admission import Admission
+from tasks.autoscale import model_report
 from tasks.config import Settings
 from tasks.fleet import Fleet
 
@@ -58,6 +60,8 @@ class SystemCollector(Collector):
         self.client = client
         self.queue_depth = queue_depth
         self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
+        self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
+                                   settings.key("quarantine"))
 
     def collect(self) -> Iterator[Metric]:
         s, now = self.settings, time.time()
@@ -72,6 +76,8 @@ class SystemCollector(Collector):
             pipe.hgetall(s.key("metrics", "batch_run_seconds"))
             in_flight, oldest, counters, quarantined, sizes, runs = pipe.execute()
             workers = self.fleet.all()
+            live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
+            models = model_report(s, self.admission, live, now)
         except redis.RedisError:
             yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=0)
             return
@@ -84,6 +90,7 @@ class SystemCollector(Collector):
         yield GaugeMetricFamily("llmb_oldest_waiting_seconds",
                                 "Age of the oldest admitted, unanswered item (the autoscaling signal).",
                                 value=now - float(oldest[0][1]) if oldest else 0.0)
+        yield from _per_model(models)
         by_state = GaugeMetricFamily("llmb_workers", "GPU workers by state, from heartbeats.", labels=["state"])
         states = {"idle": 0, "busy": 0, "stale": 0}
         for w in workers:
@@ -104,6 +111,24 @@ class SystemCollector(Collector):
         yield _histogram("llmb_batch_size", "Items per batch run.", sizes, BATCH_SIZE_BUCKETS)
         yield _histogram("llmb_batch_run_seconds", "Run time of each batch on its device.", runs,
                          RUN_SECONDS_BUCKETS)
+
+
+def _per_model(rows: list[dict[str, Any]]) -> Iterator[Metric]:
+    """The autoscaling signal per model (see tasks.autoscale)."""
+    oldest = GaugeMetricFamily("llmb_oldest_queued_seconds", "Age of the model's oldest admitted, unanswered "
+                               "request: scale out when it grows past a few batch times.", labels=["model"])
+    rate = GaugeMetricFamily("llmb_arrival_rate", "Items per second arriving for the model (last 10 s).",
+                             labels=["model"])
+    recommended = GaugeMetricFamily("llmb_recommended_workers", "Workers the model needs: arrival rate x batch "
+                                    "time / batch size x headroom.", labels=["model"])
+    live = GaugeMetricFamily("llmb_model_workers", "Live workers serving the model.", labels=["model"])
+    for row in rows:
+        oldest.add_metric([row["model"]], row["oldest_queued_s"])
+        rate.add_metric([row["model"]], row["arrival_rate_per_s"])
+        live.add_metric([row["model"]], row["workers"])
+        if row["recommended_workers"] is not None:
+            recommended.add_metric([row["model"]], row["recommended_workers"])
+    yield from (oldest, rate, recommended, live)
 
 
 def _histogram(name: str, doc: str, raw: dict[bytes, bytes], bounds: tuple[float, ...]) -> Metric:

@@ -21,6 +21,7 @@ from tasks.claims import DONE
 from tasks.schema import BatchItem, ItemResult
 
 log = logging.getLogger(__name__)
+Read = Callable[[Sequence[str]], list[bytes | None]]  # item ids -> their result keys' values, in order
 
 
 class ResultWriter:
@@ -95,13 +96,13 @@ class ResultListener:
     """
 
     def __init__(self, client: redis.Redis, channel: str, key: Callable[[str], str], recheck_s: float,
-                 read: Callable[[Sequence[str]], list[bytes | None]] | None = None) -> None:
+                 read: Read | None = None) -> None:
         self.client = client
         self.channel = channel
         self.key = key
         self.recheck_s = recheck_s
         # How to read result keys: plain MGET by default; the gateway reads and releases admission together.
-        self.read = read or (lambda ids: self.client.mget([self.key(i) for i in ids]))
+        self.read: Read = read or self._mget
         self._waiters: dict[str, _Waiter] = {}
         self._started = False
         self._start_lock = threading.Lock()
@@ -115,7 +116,7 @@ class ResultListener:
                 threading.Thread(target=self._listen, name="result-listener", daemon=True).start()
                 self._started = True
 
-    def wait(self, item_ids: Sequence[str], deadline: float) -> dict[str, ItemResult]:
+    def wait(self, item_ids: Sequence[str], deadline: float, read: Read | None = None) -> dict[str, ItemResult]:
         """Block until every item has a result or the monotonic ``deadline`` passes.
 
         Returns whatever results exist by then (possibly fewer than asked for: the caller decides it is a
@@ -133,7 +134,7 @@ class ResultListener:
                 if remaining > 0:
                     waiter.event.wait(min(remaining, self.recheck_s))
                     waiter.event.clear()
-                results.update(self.fetch(pending))
+                results.update(self.fetch(pending, read))
                 pending = [i for i in pending if i not in results]
                 if not pending or remaining <= 0:
                     return results
@@ -141,7 +142,7 @@ class ResultListener:
             for item_id in item_ids:
                 self._waiters.pop(item_id, None)
 
-    def stream(self, item_id: str, deadline: float) -> Iterator[tuple[str, Any]]:
+    def stream(self, item_id: str, deadline: float, read: Read | None = None) -> Iterator[tuple[str, Any]]:
         """Yield ("delta", text) as the worker streams it, then ("done", ItemResult) or ("timeout", None)."""
         self.start()
         waiter = _Waiter()
@@ -158,7 +159,7 @@ class ResultListener:
                 if waiter.ready or time.monotonic() >= next_check or remaining <= 0:
                     waiter.ready = False
                     next_check = time.monotonic() + self.recheck_s
-                    found = self.fetch([item_id])
+                    found = self.fetch([item_id], read)
                     if item_id in found:
                         while waiter.deltas:
                             yield "delta", waiter.deltas.popleft()
@@ -170,10 +171,14 @@ class ResultListener:
         finally:
             self._waiters.pop(item_id, None)
 
-    def fetch(self, item_ids: Sequence[str]) -> dict[str, ItemResult]:
+    def _mget(self, item_ids: Sequence[str]) -> list[bytes | None]:
+        return list(self.client.mget([self.key(i) for i in item_ids]))  # type: ignore[arg-type]
+
+    def fetch(self, item_ids: Sequence[str], read: Read | None = None) -> dict[str, ItemResult]:
+        """Results of these items that exist; ``read`` overrides how keys are read (one call's own reader)."""
         if not item_ids:
             return {}
-        raw = self.read(item_ids)
+        raw = (read or self.read)(item_ids)
         return {i: ItemResult.from_dict(json.loads(r)) for i, r in zip(item_ids, raw) if r is not None}
 
     def _wake(self, item_ids: Iterable[str]) -> None:

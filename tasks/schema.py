@@ -37,6 +37,8 @@ class InferenceRequest:
     deadline: float
     reply_to: str  # Redis channel of the API process holding the connection
     params: dict[str, Any] = field(default_factory=dict)  # model parameters (max_tokens, temperature, ...)
+    weight: float = 1.0  # the tenant's share when tenants compete for batch slots
+    priority: str = "interactive"  # or "offline": goes after interactive work, may wait longer to fill
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -51,7 +53,8 @@ class InferenceRequest:
             return cls(
                 id=str(d["id"]), tenant=str(d["tenant"]), model=str(d["model"]), items=items,
                 accepted_at=float(d["accepted_at"]), deadline=float(d["deadline"]), reply_to=str(d["reply_to"]),
-                params=dict(d.get("params") or {}),
+                params=dict(d.get("params") or {}), weight=float(d.get("weight", 1.0)),
+                priority=str(d.get("priority", "interactive")),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed request message: {exc!r}") from None

@@ -37,7 +37,8 @@ class Stack:
         tmp.mkdir(parents=True, exist_ok=True)
         self.database_url = f"sqlite:///{tmp / 'ledger.db'}"
         self.env = {**os.environ, "LLMB_NAMESPACE": self.namespace, "LLMB_BROKER_URL": BROKER_URL,
-                    "LLMB_REDIS_URL": REDIS_URL, "LLMB_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1"}
+                    "LLMB_REDIS_URL": REDIS_URL, "LLMB_DATABASE_URL": self.database_url, "PYTHONUNBUFFERED": "1",
+                    "LLMB_AUTH": "none"}  # tests of keys ask for LLMB_AUTH=keys
         self.env.update({f"LLMB_{k.upper()}": str(v) for k, v in env.items()})
         self.admin("db", "upgrade")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}

@@ -7,6 +7,7 @@ from tasks.batcher import Batcher
 from tasks.fleet import WorkerInfo
 from tasks.flush import FlushPolicy
 from tasks.schema import Batch, InferenceRequest, Item
+from tasks.wait import WaitPolicy
 
 
 class Clock:
@@ -23,25 +24,28 @@ def worker(wid: str) -> WorkerInfo:
 
 
 class Harness:
-    def __init__(self, size: int = 3, wait_s: float = 0.020, workers: int = 1, max_outstanding: int = 2) -> None:
+    def __init__(self, size: int = 3, wait_s: float = 0.020, workers: int = 1, max_outstanding: int = 2,
+                 wait: WaitPolicy | None = None) -> None:
         self.clock = Clock()
         self.sent: list[tuple[Batch, str]] = []
         self.acked: list[str] = []
         self.fail_dispatch = False
         self.workers = [worker(f"w{i}") for i in range(workers)]
         self.batcher = Batcher(FlushPolicy(size, wait_s), self.dispatch, lambda: self.workers,
-                               max_outstanding=max_outstanding, clock=self.clock, wallclock=self.clock)
+                               max_outstanding=max_outstanding, wait=wait, clock=self.clock,
+                               wallclock=self.clock)
 
     def dispatch(self, batch: Batch, w: WorkerInfo) -> None:
         if self.fail_dispatch:
             raise ConnectionError("broker gone")
         self.sent.append((batch, w.id))
 
-    def submit(self, rid: str, n_items: int = 1, timeout_s: float = 30.0) -> float | None:
+    def submit(self, rid: str, n_items: int = 1, timeout_s: float = 30.0, tenant: str = "default",
+               priority: str = "interactive") -> float | None:
         now = self.clock.t
-        request = InferenceRequest(id=rid, tenant="default", model="sim",
+        request = InferenceRequest(id=rid, tenant=tenant, model="sim",
                                    items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n_items)),
-                                   accepted_at=now, deadline=now + timeout_s, reply_to="r")
+                                   accepted_at=now, deadline=now + timeout_s, reply_to="r", priority=priority)
         return self.batcher.add(request, lambda: self.acked.append(rid))
 
 
@@ -167,3 +171,33 @@ def test_items_that_cannot_finish_in_time_on_the_chosen_worker_are_dropped() -> 
     h.batcher.poll()
     assert [i.request_id for b, _ in h.sent for i in b.items] == ["fine"]
     assert sorted(h.acked) == ["doomed", "fine"]
+
+
+def test_a_flood_held_behind_busy_workers_does_not_delay_another_tenant() -> None:
+    """The fairness scenario through the Batcher: A's 5,000 queued items, B's request still in the next batch."""
+    h = Harness(size=100, max_outstanding=1)
+    for k in range(50):
+        h.submit(f"a{k}", n_items=100, tenant="a")
+    assert len(h.sent) == 1  # the worker holds its one batch; the rest of A's flood waits in the buffer
+    h.submit("b0", tenant="b")
+    h.batcher.finished("w0", h.sent[0][0].id)
+    assert "b0" in {i.request_id for i in h.sent[1][0].items}
+    assert len(h.sent[1][0].items) == 100  # and A gets the rest of the batch
+
+
+def test_interactive_requests_overtake_queued_offline_work() -> None:
+    h = Harness(size=10, max_outstanding=1)
+    h.submit("first", n_items=10, priority="offline")  # full: sent at once
+    h.submit("job", n_items=30, priority="offline")
+    h.submit("chat", n_items=2)
+    h.batcher.finished("w0", h.sent[0][0].id)
+    assert [i.request_id for i in h.sent[1][0].items][:2] == ["chat", "chat"]
+
+
+def test_adaptive_wait_leaves_at_once_for_a_free_device_and_thin_traffic() -> None:
+    h = Harness(size=100, wait=WaitPolicy("adaptive", fixed_s=0.020, min_s=0.001, max_s=0.050))
+    delay = h.submit("a")
+    assert delay == pytest.approx(0.001)
+    h.clock.t += 0.001
+    h.batcher.poll()
+    assert len(h.sent) == 1

@@ -28,7 +28,7 @@ RAISE, KILL = "__raise_here__", "__kill_here__"
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("fleet")), sim_batch_ms=500, max_wait_ms=1500,
+    s = Stack(Path(tmp_path_factory.mktemp("fleet")), sim_batch_ms=500, wait_mode="fixed", max_wait_ms=1500,
               heartbeat_interval_s=0.25, heartbeat_stale_factor=4, sim_raise_on=RAISE, sim_kill_on=KILL,
               store_inputs="true")
     try:

@@ -1,14 +1,8 @@
 """The outcome ledger on real databases: migrations both ways, writes, and a database outage."""
 from __future__ import annotations
 
-import os
 import time
-import uuid
-from collections.abc import Iterator
-from pathlib import Path
 
-import psycopg
-import pytest
 from sqlalchemy import inspect, select
 from sqlalchemy.orm import Session
 
@@ -28,22 +22,7 @@ from tasks.ledger import (
 from tasks.schema import Batch, BatchItem
 from tests.stack import BIN, ROOT
 
-PG_ADMIN = os.environ.get("LLMB_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
-TABLES = {"requests", "batches", "batch_requests", "quarantined_inputs"}
-
-
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'ledger.db'}"
-        return
-    name = f"llmb_test_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    base = PG_ADMIN.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://")
-    yield f"{base}/{name}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+TABLES = {"requests", "batches", "batch_requests", "quarantined_inputs", "tenants", "api_keys"}
 
 
 def admin(url: str, *args: str) -> None:

@@ -161,7 +161,8 @@ def test_503_when_no_worker_rabbitmq_or_redis_is_there(stack: Stack) -> None:
 def test_killing_the_batcher_with_requests_buffered_loses_none(stack: Stack) -> None:
     """SIGKILL a batcher holding requests unacknowledged in its buffer; after a restart all are answered."""
     stack.kill("batcher", sig=15)
-    stack.start_batcher("slow-batcher", max_wait_ms=60_000, max_batch_size=100)  # holds everything it gets
+    # a fixed 60 s wait: it holds everything it gets
+    stack.start_batcher("slow-batcher", wait_mode="fixed", max_wait_ms=60_000, max_batch_size=100)
     time.sleep(2.0)  # the slow batcher is up and consuming
     keep = [f"survivor {i}" for i in range(10)]
     with ThreadPoolExecutor(max_workers=13) as pool:

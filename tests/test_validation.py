@@ -4,10 +4,11 @@ from __future__ import annotations
 import pytest
 
 from tasks.config import Settings
-from tasks.errors import InvalidInput
-from webapp.validation import parse_infer, request_id_from
+from tasks.errors import Forbidden, InvalidInput
+from tasks.tenants import Principal, Priority, TenantPolicy
+from webapp.validation import bind, parse_infer, request_id_from
 
-S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000)
+S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000, offline_max_timeout_ms=9000)
 
 
 def test_single_and_multi_input() -> None:
@@ -19,9 +20,9 @@ def test_single_and_multi_input() -> None:
 
 @pytest.mark.parametrize("body", [
     [], "text", None, {}, {"input": "a", "inputs": ["b"]}, {"input": 5}, {"inputs": []}, {"inputs": ["a", 1]},
-    {"inputs": ["a", "b", "c", "d"]}, {"input": "a", "timeout_ms": 0}, {"input": "a", "timeout_ms": 5001},
+    {"inputs": ["a", "b", "c", "d"]}, {"input": "a", "timeout_ms": 0}, {"input": "a", "timeout_ms": 9001},
     {"input": "a", "timeout_ms": "10"}, {"input": "a", "timeout_ms": True}, {"input": "a", "model": ""},
-    {"input": "a", "tenant": "no spaces"}, {"input": "a", "surprise": 1},
+    {"input": "a", "tenant": "no spaces"}, {"input": "a", "surprise": 1}, {"input": "a", "priority": "urgent"},
 ])
 def test_malformed_bodies_are_rejected_with_a_reason(body: object) -> None:
     with pytest.raises(InvalidInput) as info:
@@ -43,3 +44,32 @@ def test_settings_from_env_parse_and_reject() -> None:
     with pytest.raises(ValueError, match="LLMB_MAX_BATCH_SIZE"):
         Settings.from_env({"LLMB_MAX_BATCH_SIZE": "many"})
 
+
+
+def principal(name: str = "team-a", priority: Priority = Priority.INTERACTIVE, key_id: str = "k1") -> Principal:
+    return Principal(TenantPolicy(name, 2.0, 50, priority), key_id=key_id, admin=False)
+
+
+def test_bind_gives_the_call_its_tenants_policy() -> None:
+    call = bind(parse_infer({"input": "a"}, S, "rid"), principal(), S)
+    assert (call.tenant, call.weight, call.tenant_cap, call.priority) == ("team-a", 2.0, 50, "interactive")
+
+
+def test_longer_deadlines_only_for_offline_requests() -> None:
+    with pytest.raises(InvalidInput):
+        bind(parse_infer({"input": "a", "timeout_ms": 6000}, S, "rid"), principal(), S)
+    call = bind(parse_infer({"input": "a", "timeout_ms": 6000, "priority": "offline"}, S, "rid"), principal(), S)
+    assert call.priority == "offline" and call.timeout_ms == 6000
+
+
+def test_an_offline_tenant_cannot_ask_to_be_interactive() -> None:
+    call = parse_infer({"input": "a", "priority": "interactive"}, S, "rid")
+    call = bind(call, principal(priority=Priority.OFFLINE), S)
+    assert call.priority == "offline"
+
+
+def test_a_key_cannot_claim_another_tenant_but_without_keys_the_name_is_the_tenant() -> None:
+    call = parse_infer({"input": "a", "tenant": "team-b"}, S, "rid")
+    with pytest.raises(Forbidden):
+        bind(call, principal("team-a"), S, claimed_tenant="team-b")
+    assert bind(call, principal("team-b", key_id=""), S, claimed_tenant="team-b").tenant == "team-b"

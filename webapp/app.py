@@ -18,9 +18,10 @@ from tasks.gateway import Answer, Gateway
 from tasks.logs import setup_logging
 from tasks.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
 from tasks.queues import RequestPublisher
-from webapp import openai_api
+from tasks.tenants import KeyStore, TenantDirectory
+from webapp import admin_api, openai_api, tenancy
 from webapp.errors import register_error_handlers
-from webapp.validation import parse_infer, request_id_from
+from webapp.validation import bind, parse_infer, request_id_from
 
 log = logging.getLogger("llmb.web")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -37,6 +38,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
                                  settings.persistent_requests)
     app.extensions["llmb"] = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
+    keys = KeyStore.from_settings(settings)
+    app.extensions["llmb_keys"] = keys
+    app.extensions["llmb_tenants"] = TenantDirectory(keys, ttl_s=settings.auth_cache_s)
     app.extensions["llmb_settings"] = settings
     app.extensions["llmb_metrics"] = metrics_registry(settings, client, publisher)
 
@@ -54,6 +58,7 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     register_error_handlers(app)
     app.register_blueprint(openai_api.bp)
+    app.register_blueprint(admin_api.bp)
     app.add_url_rule("/v1/infer", view_func=infer, methods=["POST"])
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)
@@ -99,8 +104,12 @@ def _gateway() -> Gateway:
 
 def infer() -> Response:
     settings: Settings = current_app.extensions["llmb_settings"]
+    keyed = tenancy.caller() if settings.auth != "none" else None  # 401 before anything else
     body = request.get_json(force=True)
     call = parse_infer(body, settings, g.request_id, request.headers.get("X-Tenant"))
+    claimed = body.get("tenant") or request.headers.get("X-Tenant")
+    call = bind(call, keyed or tenancy.caller(call.tenant), settings, claimed_tenant=claimed)
+    g.tenant = call.tenant
     answer = _gateway().submit(call)
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
     return jsonify(_render(call.request_id, answer, single="input" in body, started=g.started))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
@@ -17,6 +18,7 @@ from werkzeug.exceptions import HTTPException
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
 from tasks.gateway import Call, Gateway
+from webapp import tenancy
 from webapp.openai_schema import (
     chat_response,
     chunk,
@@ -26,6 +28,7 @@ from webapp.openai_schema import (
     parse_completion,
     parse_embeddings,
 )
+from webapp.validation import bind
 
 bp = Blueprint("openai", __name__)
 
@@ -74,6 +77,23 @@ def _settings() -> Settings:
 
 def _tenant() -> str:
     return request.headers.get("X-Tenant") or "default"
+
+
+def _authenticate() -> None:
+    """With keys, a missing or bad key is refused before the body is read."""
+    if _settings().auth != "none":
+        tenancy.caller()
+
+
+def _bind(call: Call, body: Any) -> Call:
+    """The caller's tenant policy on the call; ``service_tier: "flex"`` (or ``priority: "offline"``) asks for
+    offline priority, as OpenAI's flex tier trades latency for price."""
+    offline = isinstance(body, dict) and (body.get("service_tier") == "flex" or body.get("priority") == "offline")
+    call = replace(call, priority="offline" if offline else "interactive")
+    settings = _settings()
+    principal = tenancy.caller() if settings.auth != "none" else tenancy.caller(call.tenant)
+    g.tenant = principal.tenant.name
+    return bind(call, principal, settings, claimed_tenant=request.headers.get("X-Tenant"))
 
 
 def _run(call: Call, endpoint: str) -> Any:
@@ -130,7 +150,10 @@ def _data(payload: dict[str, Any]) -> str:
 
 @bp.post("/v1/completions")
 def completions() -> Response:
-    call, stream = parse_completion(request.get_json(force=True), _settings(), g.request_id, _tenant())
+    _authenticate()
+    body = request.get_json(force=True)
+    call, stream = parse_completion(body, _settings(), g.request_id, _tenant())
+    call = _bind(call, body)
     if stream:
         return _sse(call, "completions")
     return jsonify(completion_response(call.request_id, call.model, _run(call, "completions")))
@@ -138,7 +161,10 @@ def completions() -> Response:
 
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
-    call, stream = parse_chat(request.get_json(force=True), _settings(), g.request_id, _tenant())
+    _authenticate()
+    body = request.get_json(force=True)
+    call, stream = parse_chat(body, _settings(), g.request_id, _tenant())
+    call = _bind(call, body)
     if stream:
         return _sse(call, "chat")
     return jsonify(chat_response(call.request_id, call.model, _run(call, "chat")))
@@ -146,7 +172,10 @@ def chat_completions() -> Response:
 
 @bp.post("/v1/embeddings")
 def embeddings() -> Response:
-    call, encoding = parse_embeddings(request.get_json(force=True), _settings(), g.request_id, _tenant())
+    _authenticate()
+    body = request.get_json(force=True)
+    call, encoding = parse_embeddings(body, _settings(), g.request_id, _tenant())
+    call = _bind(call, body)
     return jsonify(embeddings_response(call.model, _run(call, "embeddings"), encoding))
 
 

@@ -15,6 +15,7 @@ from tasks.config import Settings
 from tasks.errors import InvalidInput
 from tasks.gateway import Call
 from tasks.schema import ItemResult
+from webapp.validation import timeout_limit_ms
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -36,7 +37,7 @@ def _common(body: Any, settings: Settings) -> tuple[str, dict[str, Any], int]:
         raise InvalidInput("only n=1 is supported")
     if body.get("logprobs") not in (None, False, 0):
         raise InvalidInput("logprobs are not supported")
-    timeout_ms = _number(body, "timeout_ms", settings.default_timeout_ms, 1, settings.max_timeout_ms)
+    timeout_ms = _number(body, "timeout_ms", settings.default_timeout_ms, 1, timeout_limit_ms(settings))
     return model, body, int(timeout_ms)
 
 

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import re
 import uuid
+from dataclasses import replace
 from typing import Any
 
 from tasks.config import Settings
-from tasks.errors import InvalidInput
+from tasks.errors import Forbidden, InvalidInput
 from tasks.gateway import Call
+from tasks.tenants import Principal, Priority
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -23,7 +25,7 @@ def request_id_from(header: str | None) -> str:
 def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: str | None = None) -> Call:
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object, e.g. {\"input\": \"hello\"}")
-    unknown = set(body) - {"input", "inputs", "timeout_ms", "model", "tenant"}
+    unknown = set(body) - {"input", "inputs", "timeout_ms", "model", "tenant", "priority"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
     if ("input" in body) == ("inputs" in body):
@@ -42,8 +44,9 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
 
     timeout_ms = body.get("timeout_ms", settings.default_timeout_ms)
     is_number = isinstance(timeout_ms, (int, float)) and not isinstance(timeout_ms, bool)
-    if not is_number or not 0 < timeout_ms <= settings.max_timeout_ms:
-        raise InvalidInput(f"'timeout_ms' must be a number in (0, {settings.max_timeout_ms}]")
+    if not is_number or not 0 < timeout_ms <= timeout_limit_ms(settings):
+        raise InvalidInput(f"'timeout_ms' must be a number in (0, {settings.max_timeout_ms}] "
+                           f"({settings.offline_max_timeout_ms} for offline requests)")
 
     model = body.get("model", settings.default_model)
     if not isinstance(model, str) or not model:
@@ -53,4 +56,38 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
     if not isinstance(tenant, str) or not TENANT.match(tenant):
         raise InvalidInput("'tenant' must be 1-64 characters of letters, digits, '.', '_' or '-'")
 
-    return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=int(timeout_ms))
+    return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=int(timeout_ms),
+                priority=parse_priority(body.get("priority")))
+
+
+def timeout_limit_ms(settings: Settings) -> int:
+    """The largest timeout any request may give (offline ones may wait longer; :func:`bind` checks the rest)."""
+    return max(settings.max_timeout_ms, settings.offline_max_timeout_ms)
+
+
+def parse_priority(value: Any) -> str:
+    if value is None:
+        return Priority.INTERACTIVE
+    if value not in (Priority.INTERACTIVE, Priority.OFFLINE):
+        raise InvalidInput("'priority' must be 'interactive' (the default) or 'offline'")
+    return str(value)
+
+
+def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant: str | None = None) -> Call:
+    """Give a parsed call its tenant's weight, cap and priority class.
+
+    With keys, the tenant is the key's: a call that names another tenant is refused. The request may ask to be
+    offline; a tenant whose class is offline cannot ask to be interactive. Interactive calls keep the shorter
+    timeout limit.
+    """
+    policy = principal.tenant
+    if principal.key_id and claimed_tenant not in (None, policy.name):
+        raise Forbidden(f"this API key belongs to tenant {policy.name!r}, not {claimed_tenant!r}; "
+                        "leave the tenant out (the key says who you are)")
+    offline = call.priority == Priority.OFFLINE or policy.priority == Priority.OFFLINE
+    priority = Priority.OFFLINE if offline else Priority.INTERACTIVE
+    if priority == Priority.INTERACTIVE and call.timeout_ms > settings.max_timeout_ms:
+        raise InvalidInput(f"'timeout_ms' must be at most {settings.max_timeout_ms} for interactive requests; "
+                           "longer deadlines need \"priority\": \"offline\"")
+    return replace(call, tenant=policy.name, weight=policy.weight, priority=str(priority),
+                   tenant_cap=policy.max_in_flight)

@@ -1,0 +1,363 @@
+"""Tenants and their API keys: who is calling, and what share of the system they get.
+
+A tenant carries a weight (its share of batch slots when tenants compete), an in-flight cap and a priority class;
+a tenant with no settings of its own, or a setting left empty, gets the defaults (``LLMB_TENANT_*``). API keys are
+issued and revoked with ``llmb-admin keys``; the database keeps only their SHA-256, so a leaked table leaks no key.
+
+:class:`KeyStore` is the database side (the CLI uses it directly). :class:`TenantDirectory` is what every API
+request goes through: a small TTL cache in front of the store, so the hot path costs one dict lookup, a revoked key
+stops working within the TTL, and a database outage keeps known keys working on their last answer.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import secrets
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Generic, TypeVar
+
+from sqlalchemy import Boolean, DateTime, Float, Integer, String, select, union, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.orm import Mapped, Session, mapped_column
+
+from tasks.config import Settings
+from tasks.errors import InvalidInput, Unauthorized, Unavailable
+from tasks.ledger import Base, make_engine
+
+log = logging.getLogger("llmb.tenants")
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+KEY_FORMAT = re.compile(r"^llmb_([0-9a-f]{8})_[A-Za-z0-9_-]{16,128}$")
+HOW_TO_AUTH = "send Authorization: Bearer <key>; keys are issued with `llmb-admin keys create <tenant>`"
+
+
+class Priority(StrEnum):
+    INTERACTIVE = "interactive"
+    OFFLINE = "offline"
+
+
+@dataclass(frozen=True)
+class TenantPolicy:
+    name: str
+    weight: float
+    max_in_flight: int
+    priority: Priority
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request comes from: its tenant's policy, and which key (for logs) with which rights."""
+
+    tenant: TenantPolicy
+    key_id: str
+    admin: bool
+
+
+@dataclass(frozen=True)
+class KeyInfo:
+    """What may be shown about a key: never the key, nor its hash."""
+
+    id: str
+    tenant: str
+    admin: bool
+    label: str | None
+    created_at: datetime
+    revoked_at: datetime | None
+
+
+class TenantRecord(Base):
+    """A tenant's own settings; an empty column means "the default"."""
+
+    __tablename__ = "tenants"
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    weight: Mapped[float] = mapped_column(Float)
+    max_in_flight: Mapped[int | None] = mapped_column(Integer)
+    priority: Mapped[str | None] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class ApiKeyRecord(Base):
+    """One issued key, by the SHA-256 of its text."""
+
+    __tablename__ = "api_keys"
+    id: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    label: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+def new_key() -> tuple[str, str]:
+    """(key_id, key): the id is public (lists, logs, revocation); the key is shown once and never stored."""
+    key_id = secrets.token_hex(4)
+    return key_id, f"llmb_{key_id}_{secrets.token_urlsafe(32)}"
+
+
+def hash_key(key: str) -> str:
+    """SHA-256 of the key, hex: what the database stores and looks keys up by.
+
+    Plain SHA-256, not bcrypt or argon2: those slow hashes protect low-entropy passwords from guessing, but a key
+    holds 256 random bits, so no guessing can find one from its fast hash either. A fast, unsalted hash also keeps
+    authentication one indexed lookup per request, as GitHub's and Stripe's API tokens do.
+    """
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+def key_id_of(key: str) -> str | None:
+    """The id inside a well-formed key, or None: malformed keys are refused without asking the database."""
+    match = KEY_FORMAT.match(key)
+    return match.group(1) if match else None
+
+
+def check_tenant_name(name: str) -> str:
+    if not TENANT_NAME.match(name):
+        raise ValueError(f"tenant name {name!r} is not 1-64 letters, digits, '.', '_' or '-'")
+    return name
+
+
+def _priority(value: str | Priority) -> Priority:
+    try:
+        return Priority(value)
+    except ValueError:
+        raise ValueError(f"priority {value!r} is not one of {', '.join(p.value for p in Priority)}") from None
+
+
+def _utc(value: datetime) -> datetime:
+    """SQLite hands timezone-aware columns back naive; they were written in UTC."""
+    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+
+
+class KeyStore:
+    """Tenants and API keys in the database (the ledger's, migrated by ``llmb-admin db upgrade``)."""
+
+    def __init__(self, engine: Engine, *, weight: float = 1.0, max_in_flight: int = 5000,
+                 priority: str | Priority = Priority.INTERACTIVE) -> None:
+        self.engine = engine
+        self.defaults = self._validated(TenantPolicy("", weight, max_in_flight, _priority(priority)))
+
+    @classmethod
+    def from_settings(cls, settings: Settings, engine: Engine | None = None) -> KeyStore:
+        return cls(engine or make_engine(settings.database_url), weight=settings.tenant_weight,
+                   max_in_flight=settings.tenant_max_in_flight, priority=settings.tenant_priority)
+
+    @staticmethod
+    def _validated(policy: TenantPolicy) -> TenantPolicy:
+        if not (policy.weight > 0 and math.isfinite(policy.weight)):
+            raise ValueError(f"weight must be a number more than 0, not {policy.weight}")
+        if policy.max_in_flight < 1:
+            raise ValueError(f"max_in_flight must be at least 1, not {policy.max_in_flight}")
+        return policy
+
+    # -- keys ---------------------------------------------------------------------------------------------
+    def create_key(self, tenant: str, admin: bool = False, label: str | None = None) -> tuple[str, str]:
+        """Issue a key; returns (key_id, key). The key is in no table: this is the only time anyone sees it."""
+        check_tenant_name(tenant)
+        if label is not None and len(label) > 128:
+            raise ValueError("a key's label is at most 128 characters")
+        for attempt in range(3):
+            key_id, key = new_key()
+            try:
+                with Session(self.engine) as session, session.begin():
+                    session.add(ApiKeyRecord(id=key_id, tenant=tenant, key_hash=hash_key(key), admin=admin,
+                                             label=label, created_at=datetime.now(timezone.utc)))
+                return key_id, key
+            except IntegrityError:  # an 8-hex-digit id taken already: rare, and a new one is free
+                if attempt == 2:
+                    raise
+        raise AssertionError("unreachable")
+
+    def revoke(self, key_id: str) -> bool:
+        """False when no key has this id or it was revoked already."""
+        with Session(self.engine) as session, session.begin():
+            done = session.execute(update(ApiKeyRecord)
+                                   .where(ApiKeyRecord.id == key_id, ApiKeyRecord.revoked_at.is_(None))
+                                   .values(revoked_at=datetime.now(timezone.utc)))
+            return bool(done.rowcount == 1)  # type: ignore[attr-defined]
+
+    def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
+        query = select(ApiKeyRecord).order_by(ApiKeyRecord.tenant, ApiKeyRecord.created_at, ApiKeyRecord.id)
+        if tenant is not None:
+            query = query.where(ApiKeyRecord.tenant == tenant)
+        with Session(self.engine) as session:
+            return [KeyInfo(r.id, r.tenant, r.admin, r.label, _utc(r.created_at),
+                            _utc(r.revoked_at) if r.revoked_at else None) for r in session.scalars(query)]
+
+    def authenticate(self, key: str) -> Principal | None:
+        """The key's principal, in one indexed query; None for a malformed, unknown or revoked key."""
+        if key_id_of(key) is None:
+            return None
+        query = (select(ApiKeyRecord, TenantRecord)
+                 .outerjoin(TenantRecord, TenantRecord.name == ApiKeyRecord.tenant)
+                 .where(ApiKeyRecord.key_hash == hash_key(key)))
+        with Session(self.engine) as session:
+            row = session.execute(query).first()
+        if row is None or row[0].revoked_at is not None:
+            return None
+        record, tenant = row
+        return Principal(self._merge(record.tenant, tenant), record.id, record.admin)
+
+    # -- tenants ------------------------------------------------------------------------------------------
+    def set_tenant(self, name: str, *, weight: float | None = None, max_in_flight: int | None = None,
+                   priority: str | Priority | None = None) -> TenantPolicy:
+        """Create or change a tenant's settings; what is not given stays as it was (a new tenant: the default).
+
+        A new tenant's weight is written as the current default: the column is never empty.
+        """
+        check_tenant_name(name)
+        changes: dict[str, object] = {}
+        if weight is not None:
+            changes["weight"] = float(weight)
+        if max_in_flight is not None:
+            changes["max_in_flight"] = int(max_in_flight)
+        if priority is not None:
+            changes["priority"] = _priority(priority).value
+        self._validated(TenantPolicy(name, weight if weight is not None else self.defaults.weight,
+                                     max_in_flight if max_in_flight is not None else self.defaults.max_in_flight,
+                                     self.defaults.priority))
+        now = datetime.now(timezone.utc)
+        row = {"name": name, "weight": self.defaults.weight, "max_in_flight": None, "priority": None,
+               "created_at": now, "updated_at": now} | changes
+        with Session(self.engine) as session, session.begin():
+            insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+            stmt = insert(TenantRecord).values(row)
+            session.execute(stmt.on_conflict_do_update(index_elements=["name"], set_={**changes, "updated_at": now}))
+        return self.policy(name)
+
+    def policy(self, name: str) -> TenantPolicy:
+        """The tenant's settings over the defaults; the defaults alone for a tenant with no record."""
+        with Session(self.engine) as session:
+            return self._merge(name, session.get(TenantRecord, name))
+
+    def list_tenants(self) -> list[TenantPolicy]:
+        """Every tenant with settings or a key, by name."""
+        names = union(select(TenantRecord.name), select(ApiKeyRecord.tenant))
+        with Session(self.engine) as session:
+            records = {r.name: r for r in session.scalars(select(TenantRecord))}
+            return [self._merge(name, records.get(name)) for name in sorted(session.scalars(names))]
+
+    def _merge(self, name: str, record: TenantRecord | None) -> TenantPolicy:
+        d = self.defaults
+        if record is None:
+            return TenantPolicy(name, d.weight, d.max_in_flight, d.priority)
+        priority = d.priority
+        if record.priority:
+            try:
+                priority = Priority(record.priority)
+            except ValueError:  # written by hand: serve on, with the default
+                log.warning("tenant %s has unknown priority %r; using %s", name, record.priority, d.priority)
+        return TenantPolicy(name, record.weight if record.weight is not None else d.weight,
+                            record.max_in_flight if record.max_in_flight is not None else d.max_in_flight, priority)
+
+
+# -- the hot path -------------------------------------------------------------------------------------------
+T = TypeVar("T")
+
+
+@dataclass
+class _Entry(Generic[T]):
+    value: T
+    loaded_at: float
+    expires_at: float
+
+
+class _Cache(Generic[T]):
+    """TTL cache in front of one kind of database lookup, bounded, serving stale answers while the database is down.
+
+    One caller refreshes an expired entry while the others keep its old value for ``grace_s``: a hot key costs
+    one query per TTL however many requests carry it.
+    """
+
+    def __init__(self, what: str, ttl_s: float, clock: Callable[[], float], max_entries: int) -> None:
+        self.what = what
+        self.ttl_s = ttl_s
+        self.grace_s = min(ttl_s, 1.0)
+        self.clock = clock
+        self.max_entries = max_entries
+        self._entries: OrderedDict[str, _Entry[T]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, slot: str) -> bool:
+        return slot in self._entries
+
+    def get(self, slot: str, load: Callable[[], T]) -> T:
+        now = self.clock()
+        with self._lock:
+            entry = self._entries.get(slot)
+            if entry is not None:
+                if now < entry.expires_at:
+                    return entry.value
+                entry.expires_at = now + self.grace_s
+        try:
+            value = load()
+        except SQLAlchemyError as exc:
+            if entry is None:
+                raise Unavailable(f"cannot look up the {self.what}: the database is unreachable "
+                                  f"({type(exc).__name__})") from exc
+            log.warning("database unreachable (%s): using the %s looked up %.1f s ago", type(exc).__name__,
+                        self.what, now - entry.loaded_at)
+            return entry.value
+        self.remember(slot, value, now)
+        return value
+
+    def remember(self, slot: str, value: T, now: float) -> None:
+        with self._lock:
+            self._entries[slot] = _Entry(value, now, now + self.ttl_s)
+            self._entries.move_to_end(slot)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+
+class TenantDirectory:
+    """Who is calling, for every API request: :class:`KeyStore` answers, cached for ``ttl_s``.
+
+    Hits and misses are both cached (by the key's hash, never the key), so a flood of bad keys costs one query
+    per key per TTL, and a revoked key (or a changed tenant setting) takes effect within ``ttl_s``. When the
+    database fails, a key seen before keeps its last answer; a key never seen gets 503, not 401.
+    """
+
+    def __init__(self, store: KeyStore, ttl_s: float, clock: Callable[[], float] = time.monotonic,
+                 max_entries: int = 10_000) -> None:
+        self.store = store
+        self._principals: _Cache[Principal | None] = _Cache("API key", ttl_s, clock, max_entries)
+        self._policies: _Cache[TenantPolicy] = _Cache("tenant's settings", ttl_s, clock, max_entries)
+
+    def principal(self, key: str | None) -> Principal:
+        """The caller behind ``key`` (the bearer token); Unauthorized when missing, unknown or revoked."""
+        if not key:
+            raise Unauthorized(f"this call needs an API key: {HOW_TO_AUTH}")
+        found = None
+        if key_id_of(key) is not None:
+            found = self._principals.get(hash_key(key), lambda: self.store.authenticate(key))
+        if found is None:
+            raise Unauthorized(f"unknown or revoked API key: {HOW_TO_AUTH}")
+        return found
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        """A tenant's policy by name (when authentication is off and the caller names its tenant)."""
+        if not TENANT_NAME.match(tenant):
+            raise InvalidInput(f"tenant {tenant!r} is not 1-64 letters, digits, '.', '_' or '-'")
+        try:
+            return self._policies.get(tenant, lambda: self.store.policy(tenant))
+        except Unavailable:
+            # Without keys nothing needs the database to be safe: serve with the defaults (for one TTL, so
+            # an outage costs one failed query per tenant per TTL) rather than refuse every request.
+            log.warning("database unreachable: tenant %r gets the default weight, cap and priority", tenant)
+            fallback = replace(self.store.defaults, name=tenant)
+            self._policies.remember(tenant, fallback, self._policies.clock())
+            return fallback

@@ -1,0 +1,112 @@
+"""Weighted deficit round robin and the fair, priority-ordered buffer, with a fake clock."""
+from __future__ import annotations
+
+from collections import Counter
+
+from tasks.fairness import INTERACTIVE, OFFLINE, DeficitRoundRobin, FairBuffer, Waiting
+from tasks.flush import FlushPolicy
+
+
+def waiting(tenant: str, k: int, *, at: float = 0.0, deadline: float = 100.0,
+            priority: str = INTERACTIVE) -> Waiting[str]:
+    return Waiting(f"{tenant}{k}", at, deadline, tenant, priority)
+
+
+def test_flood_cannot_fill_every_batch() -> None:
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(5000):
+        drr.add(waiting("a", k))
+    for k in range(3):
+        drr.add(waiting("b", k))
+    batch = drr.take(100)
+    assert len(batch) == 100
+    assert [w.item for w in batch if w.tenant == "b"] == ["b0", "b1", "b2"]  # all of B's, in the first batch
+    assert [w.item for w in batch if w.tenant == "a"][:3] == ["a0", "a1", "a2"]  # each tenant stays FIFO
+
+
+def test_idle_capacity_goes_to_whoever_has_work() -> None:
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(250):
+        drr.add(waiting("a", k))
+    assert len(drr.take(100)) == 100  # alone: full batches, no quantum limit
+    assert len(drr.take(100)) == 100
+    assert len(drr.take(100)) == 50
+    assert len(drr) == 0 and drr.take(100) == []
+
+
+def test_weights_share_batch_slots_when_both_are_backlogged() -> None:
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(3000):
+        drr.add(waiting("heavy", k), weight=3.0)
+        drr.add(waiting("light", k), weight=1.0)
+    counts = Counter(w.tenant for _ in range(10) for w in drr.take(100))
+    assert counts["heavy"] == 750 and counts["light"] == 250
+
+
+def test_fairness_carries_across_batches() -> None:
+    """A visit cut short by a full batch resumes in the next one: small batches still share 1:1."""
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(200):
+        drr.add(waiting("a", k))
+        drr.add(waiting("b", k))
+    counts = Counter(w.tenant for _ in range(20) for w in drr.take(7))
+    assert abs(counts["a"] - counts["b"]) <= 10
+
+
+def test_an_idle_tenant_banks_no_credit() -> None:
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    drr.add(waiting("b", 0))
+    drr.take(100)  # b leaves the ring when its queue empties
+    for k in range(100):
+        drr.add(waiting("a", k))
+        drr.add(waiting("b", k + 1))
+    counts = Counter(w.tenant for w in drr.take(40))
+    assert counts == {"a": 20, "b": 20}
+
+
+def test_put_back_restores_order() -> None:
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(5):
+        drr.add(waiting("a", k))
+    taken = drr.take(3)
+    drr.put_back(taken)
+    assert [w.item for w in drr.take(10)] == ["a0", "a1", "a2", "a3", "a4"]
+
+
+def test_interactive_goes_first_and_offline_fills_the_rest() -> None:
+    buf: FairBuffer[str] = FairBuffer(FlushPolicy(10, 0.02), offline_wait_s=0.5)
+    for k in range(8):
+        buf.add(f"off{k}", now=0.0, deadline=100, tenant="batch-job", priority=OFFLINE)
+    for k in range(4):
+        buf.add(f"int{k}", now=0.01, deadline=100, tenant="chat")
+    batch = [w.item for w in buf.take()]
+    assert batch == ["int0", "int1", "int2", "int3", "off0", "off1", "off2", "off3", "off4", "off5"]
+
+
+def test_offline_waits_longer_to_fill() -> None:
+    buf: FairBuffer[str] = FairBuffer(FlushPolicy(100, 0.02), offline_wait_s=0.5)
+    buf.add("off", now=0.0, deadline=100, priority=OFFLINE)
+    assert not buf.is_ready(0.1)
+    assert buf.seconds_until_ready(0.1) == 0.4
+    buf.add("int", now=0.2, deadline=100)
+    assert not buf.is_ready(0.21) and buf.is_ready(0.22)  # an interactive item brings the flush forward
+
+
+def test_full_buffer_is_ready_at_once_and_wait_is_adjustable() -> None:
+    buf: FairBuffer[str] = FairBuffer(FlushPolicy(3, 0.02))
+    buf.add("x", now=0.0, deadline=100)
+    assert buf.is_ready(0.005, wait_s=0.001) and not buf.is_ready(0.005)
+    buf.add("y", now=0.0, deadline=100)
+    buf.add("z", now=0.0, deadline=100)
+    assert buf.is_ready(0.0)
+
+
+def test_expired_items_are_dropped_from_every_tenant() -> None:
+    buf: FairBuffer[str] = FairBuffer(FlushPolicy(100, 0.02))
+    buf.add("a-late", now=0.0, deadline=1.0, tenant="a")
+    buf.add("a-ok", now=0.0, deadline=9.0, tenant="a")
+    buf.add("b-late", now=0.0, deadline=2.0, tenant="b", priority=OFFLINE)
+    assert buf.drop_expired(0.5) == []
+    assert sorted(buf.drop_expired(2.0)) == ["a-late", "b-late"]
+    assert [w.item for w in buf.take()] == ["a-ok"]
+    assert len(buf) == 0

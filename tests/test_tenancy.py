@@ -1,0 +1,171 @@
+"""Tenants end to end, with API keys on: keys, admin routes, per-tenant caps, fairness under a flood, priority.
+
+Real gunicorn, batcher and sim worker processes; keys issued with the real `llmb-admin`.
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from tests.helpers import assert_json_error, expected, post
+from tests.stack import ROOT, Stack, wait_for
+
+BATCH_MS = 250  # one sim device, 100 items per 250 ms batch: 400 items/s
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(Path(tmp_path_factory.mktemp("tenancy")), auth="keys", auth_cache_s=0.5, sim_batch_ms=BATCH_MS,
+              redis_pool_size=50)
+    try:
+        s.start_worker(0)
+        s.start_batcher()
+        s.start_web()
+        wait_for(lambda: requests.get(s.url + "/readyz", timeout=5).status_code == 200, 30, "a live worker")
+        yield s
+    finally:
+        s.close()
+
+
+def new_key(stack: Stack, tenant: str, *args: str) -> str:
+    done = stack.admin("keys", "create", tenant, *args)
+    key = done.stdout.strip()
+    assert key.startswith("llmb_") and "\n" not in key
+    return key
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def test_a_valid_key_is_served_and_missing_unknown_or_revoked_ones_get_401(keyed: Stack) -> None:
+    key = new_key(keyed, "team-keys")
+    r = post(keyed.url, {"input": "hello"}, headers=auth(key))
+    assert r.status_code == 200, r.text
+    assert r.json()["output"] == expected("hello")
+
+    assert_json_error(post(keyed.url, {"input": "hello"}), 401, "unauthorized")
+    assert_json_error(post(keyed.url, {"input": "hello"}, headers={"Authorization": "Basic abc"}), 401)
+    assert_json_error(post(keyed.url, {"input": "hello"}, headers=auth("llmb_00000000_" + "x" * 43)), 401)
+    assert_json_error(post(keyed.url, {"input": "hello"}, headers=auth("not-a-key")), 401)
+    # 401 before the body is looked at, and a key cannot claim another tenant
+    assert_json_error(post(keyed.url, data="{broken", headers={"Content-Type": "application/json"}), 401)
+    assert_json_error(post(keyed.url, {"input": "x", "tenant": "someone-else"}, headers=auth(key)), 403, "forbidden")
+
+    key_id = json.loads(keyed.admin("keys", "list", "--tenant", "team-keys", "--json").stdout)[0]["id"]
+    keyed.admin("keys", "revoke", key_id)
+    wait_for(lambda: post(keyed.url, {"input": "hello"}, headers=auth(key)).status_code == 401, 10,
+             "the revoked key to stop working (auth cache 0.5 s)")
+    assert_json_error(post(keyed.url, {"input": "hello"}, headers=auth(key)), 401, "unauthorized")
+
+
+def test_admin_routes_need_an_admin_key(keyed: Stack) -> None:
+    admin_key = new_key(keyed, "ops", "--admin")
+    user_key = new_key(keyed, "team-user")
+    url = keyed.url + "/v1/admin"
+    assert_json_error(requests.get(url + "/tenants", timeout=10), 401)
+    assert_json_error(requests.get(url + "/tenants", headers=auth(user_key), timeout=10), 403, "forbidden")
+
+    made = requests.post(url + "/keys", json={"tenant": "team-api", "label": "ci"}, headers=auth(admin_key),
+                         timeout=10)
+    assert made.status_code == 201, made.text
+    api_key = made.json()["key"]
+    assert post(keyed.url, {"input": "via admin api"}, headers=auth(api_key)).status_code == 200
+    set_ = requests.put(url + "/tenants/team-api", json={"weight": 2, "max_in_flight": 50},
+                        headers=auth(admin_key), timeout=10)
+    assert set_.status_code == 200 and set_.json()["weight"] == 2.0, set_.text
+    assert_json_error(requests.put(url + "/tenants/team-api", json={"weight": -1}, headers=auth(admin_key),
+                                   timeout=10), 400)
+    tenants = requests.get(url + "/tenants", headers=auth(admin_key), timeout=10).json()["tenants"]
+    assert {"name": "team-api", "weight": 2.0, "max_in_flight": 50, "priority": "interactive",
+            "in_flight": 0} in tenants
+    keys = requests.get(url + "/keys", params={"tenant": "team-api"}, headers=auth(admin_key), timeout=10).json()
+    assert [k["label"] for k in keys["keys"]] == ["ci"] and "key" not in keys["keys"][0]
+    assert requests.delete(url + f"/keys/{made.json()['id']}", headers=auth(admin_key), timeout=10).status_code == 200
+    assert_json_error(requests.delete(url + f"/keys/{made.json()['id']}", headers=auth(admin_key), timeout=10), 404)
+    wait_for(lambda: post(keyed.url, {"input": "x"}, headers=auth(api_key)).status_code == 401, 10, "revocation")
+    stats = requests.get(url + "/stats", headers=auth(admin_key), timeout=10).json()
+    assert stats["models"][0]["model"] == "sim" and stats["models"][0]["workers"] == 1
+
+
+def test_a_tenant_over_its_cap_gets_429_and_others_are_unaffected(keyed: Stack) -> None:
+    keyed.admin("tenants", "set", "small", "--max-in-flight", "5")
+    small, other = new_key(keyed, "small"), new_key(keyed, "other")
+    with ThreadPoolExecutor(max_workers=30) as pool:
+        flood = [pool.submit(post, keyed.url, {"input": f"small {i}"}, headers=auth(small)) for i in range(20)]
+        time.sleep(0.05)
+        calm = [pool.submit(post, keyed.url, {"input": f"other {i}"}, headers=auth(other)) for i in range(10)]
+        flood_r = [f.result() for f in flood]
+        calm_r = [f.result() for f in calm]
+    refused = [r for r in flood_r if r.status_code == 429]
+    served = [r for r in flood_r if r.status_code == 200]
+    assert refused and len(served) >= 5 and len(served) + len(refused) == 20
+    error = assert_json_error(refused[0], 429, "tenant_over_limit")
+    assert "small" in error["message"] and int(refused[0].headers["Retry-After"]) >= 1
+    assert [r.status_code for r in calm_r] == [200] * 10
+
+
+def load(stack: Stack, key: str, rate: float, duration: float, timeout_ms: int, seed: int,
+         priority: str | None = None) -> subprocess.Popen[str]:
+    argv = [sys.executable, str(ROOT / "bench" / "load.py"), "--url", stack.url, "--rate", str(rate),
+            "--duration", str(duration), "--timeout-ms", str(timeout_ms), "--seed", str(seed), "--key", key,
+            "--out", str(stack.tmp / f"load-{seed}.json")]
+    return subprocess.Popen(argv + (["--priority", priority] if priority else []), cwd=ROOT, text=True,
+                            stdout=subprocess.DEVNULL)
+
+
+def records(stack: Stack, proc: subprocess.Popen[str], seed: int) -> list[dict[str, object]]:
+    assert proc.wait(timeout=180) == 0
+    return json.loads((stack.tmp / f"load-{seed}.json").read_text())["records"]  # type: ignore[no-any-return]
+
+
+def test_a_flood_from_one_tenant_does_not_hold_up_another(keyed: Stack) -> None:
+    """A sends 5,000 requests as fast as it can (12 s of device time); B's steady stream stays near solo."""
+    keyed.admin("tenants", "set", "flood-a", "--max-in-flight", "10000")
+    a, b = new_key(keyed, "flood-a"), new_key(keyed, "steady-b")
+    solo = [post(keyed.url, {"input": f"solo {i}"}, headers=auth(b)).json()["timing"]["total_ms"] for i in range(8)]
+    solo_p50 = statistics.median(solo)
+
+    flood = load(keyed, a, rate=1000, duration=5, timeout_ms=120_000, seed=11)
+    time.sleep(2.0)  # A's backlog is thousands deep by now
+    steady = load(keyed, b, rate=8, duration=6, timeout_ms=30_000, seed=12)
+    b_records = records(keyed, steady, 12)
+    b_done = max(float(r["wall"]) + float(r["ms"]) / 1000 for r in b_records)  # type: ignore[arg-type]
+    a_records = records(keyed, flood, 11)
+
+    assert len(a_records) >= 4500 and all(r["status"] == 200 for r in a_records), "A's flood is all answered"
+    a_finish = [float(r["wall"]) + float(r["ms"]) / 1000 for r in a_records]  # type: ignore[arg-type]
+    assert max(a_finish) > b_done + 1.0, "A's backlog outlived B's stream (so B really competed with it)"
+    assert all(r["status"] == 200 for r in b_records)
+    b_ms = sorted(float(r["ms"]) for r in b_records)  # type: ignore[arg-type]
+    b_p50, b_p99 = b_ms[len(b_ms) // 2], b_ms[int(len(b_ms) * 0.99)]
+    # Served in the next batch or two, not behind A's backlog (which takes > 10 s to drain).
+    assert b_p50 < solo_p50 + 4 * BATCH_MS + 500, (solo_p50, b_p50)
+    assert b_p99 < 4000, (solo_p50, b_p99)
+
+
+def test_interactive_requests_go_ahead_of_offline_ones(keyed: Stack) -> None:
+    key = new_key(keyed, "mixed")
+    offline = load(keyed, key, rate=800, duration=2.5, timeout_ms=120_000, seed=21, priority="offline")
+    time.sleep(1.5)  # an offline backlog of a few seconds has built up
+    started = time.monotonic()
+    r = post(keyed.url, {"input": "urgent"}, headers=auth(key))
+    urgent_ms = (time.monotonic() - started) * 1000
+    assert r.status_code == 200 and r.json()["output"] == expected("urgent")
+    offline_ms = sorted(float(x["ms"]) for x in records(keyed, offline, 21))  # type: ignore[arg-type]
+    assert urgent_ms < 4 * BATCH_MS + 500, urgent_ms
+    assert urgent_ms < offline_ms[len(offline_ms) // 2], (urgent_ms, offline_ms[len(offline_ms) // 2])
+    assert_json_error(post(keyed.url, {"input": "x", "priority": "urgent"}, headers=auth(key)), 400)
+    long = post(keyed.url, {"input": "long deadline", "priority": "offline", "timeout_ms": 1_000_000},
+                headers=auth(key))
+    assert long.status_code == 200, long.text
+    assert_json_error(post(keyed.url, {"input": "x", "timeout_ms": 1_000_000}, headers=auth(key)), 400)

@@ -1,0 +1,103 @@
+"""Admin routes under /v1/admin: tenants, API keys and the autoscaling figures, for an admin key only.
+
+The admin CLI (``llmb-admin``) does the same with direct database access; these routes are for automation
+that should hold an admin key rather than database credentials.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import Any
+
+from flask import Blueprint, Response, current_app, g, jsonify, request
+from sqlalchemy.exc import SQLAlchemyError
+
+from tasks.autoscale import model_report
+from tasks.config import Settings
+from tasks.errors import InvalidInput, Unavailable
+from tasks.gateway import Gateway
+from tasks.tenants import KeyStore
+from webapp import tenancy
+from webapp.errors import error_response
+
+bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
+
+
+def _store() -> KeyStore:
+    return current_app.extensions["llmb_keys"]  # type: ignore[no-any-return]
+
+
+def _gateway() -> Gateway:
+    return current_app.extensions["llmb"]  # type: ignore[no-any-return]
+
+
+@bp.before_request
+def _admin_only() -> None:
+    g.admin = tenancy.admin()
+
+
+@bp.errorhandler(SQLAlchemyError)
+def _database_down(exc: SQLAlchemyError) -> Response:
+    return error_response(503, Unavailable.type, f"the database is unreachable: {type(exc).__name__}")
+
+
+@bp.errorhandler(ValueError)
+def _bad_value(exc: ValueError) -> Response:
+    return error_response(400, InvalidInput.type, str(exc))
+
+
+def _json_object() -> dict[str, Any]:
+    body = request.get_json(force=True)
+    if not isinstance(body, dict):
+        raise InvalidInput("the body must be a JSON object")
+    return body
+
+
+@bp.get("/tenants")
+def list_tenants() -> Response:
+    now = time.time()
+    admission = _gateway().admission
+    return jsonify(tenants=[{**asdict(p), "in_flight": admission.tenant_in_flight(p.name, now)}
+                            for p in _store().list_tenants()])
+
+
+@bp.put("/tenants/<name>")
+def set_tenant(name: str) -> Response:
+    body = _json_object()
+    unknown = set(body) - {"weight", "max_in_flight", "priority"}
+    if unknown:
+        raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    return jsonify(asdict(_store().set_tenant(name, **body)))
+
+
+@bp.get("/keys")
+def list_keys() -> Response:
+    keys = _store().list_keys(request.args.get("tenant"))
+    return jsonify(keys=[{k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in asdict(info).items()}
+                         for info in keys])
+
+
+@bp.post("/keys")
+def create_key() -> Response:
+    body = _json_object()
+    tenant = body.get("tenant")
+    if not isinstance(tenant, str):
+        raise InvalidInput("'tenant' is required")
+    key_id, key = _store().create_key(tenant, admin=bool(body.get("admin", False)), label=body.get("label"))
+    response = jsonify(id=key_id, tenant=tenant, key=key, note="shown once: only its hash is stored")
+    response.status_code = 201
+    return response
+
+
+@bp.delete("/keys/<key_id>")
+def revoke_key(key_id: str) -> Response:
+    if not _store().revoke(key_id):
+        return error_response(404, "not_found", f"no active key with id {key_id!r}")
+    return jsonify(id=key_id, revoked=True)
+
+
+@bp.get("/stats")
+def stats() -> Response:
+    settings: Settings = current_app.extensions["llmb_settings"]
+    gateway = _gateway()
+    return jsonify(models=model_report(settings, gateway.admission, gateway.live_workers(), time.time()))
