@@ -7,11 +7,12 @@ An item is admitted only if it fits under all of:
   so overload is refused at once rather than left to time out;
 - its tenant's in-flight cap, so one tenant cannot take the whole system (the others are unaffected).
 
-Each cap is a sorted set of the ids of admitted, unanswered items scored by their deadline; the model also
-has a set scored by arrival time, for the age of its oldest waiting request (the autoscaling signal), and
-a per-second arrival counter, for its arrival rate. Admission is one Lua call: refuse a quarantined input;
-forget members whose deadline has passed (so an API process that died cannot leak capacity for longer than
-its callers' deadlines); admit all of a call's items only if they fit.
+Each cap is a sorted set of the ids of admitted, unanswered items scored by their deadline; the model also has
+a set scored by arrival time, for the age of its oldest waiting request (the autoscaling signal), and a
+per-second arrival counter, for its arrival rate (refused calls count: they are demand the fleet missed).
+Admission is one Lua call: refuse a quarantined input; forget members whose deadline has passed (so an API
+process that died cannot leak capacity for longer than its callers' deadlines); admit all of a call's items
+only if they fit.
 """
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ local n = tonumber(ARGV[6])
 for i = 7 + n, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
+redis.call('INCRBY', KEYS[7], n)  -- demand, refused or not: what autoscaling must cover
+redis.call('EXPIRE', KEYS[7], 60)
 purge(KEYS[1], KEYS[2], ARGV[1])
 purge(KEYS[4], '', ARGV[1])
 purge(KEYS[5], KEYS[6], ARGV[1])
@@ -61,8 +64,6 @@ for i = 7, 6 + n do
   redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
   redis.call('ZADD', KEYS[6], ARGV[1], ARGV[i])
 end
-redis.call('INCRBY', KEYS[7], n)
-redis.call('EXPIRE', KEYS[7], 60)
 return 'ok'
 """
 
