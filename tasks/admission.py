@@ -41,28 +41,38 @@ local function purge(by_deadline, by_arrival, now)
 end
 """
 
-# KEYS: global (deadline), global arrivals, quarantine, tenant (deadline), model (deadline), model arrivals,
-#       model arrival counter for this second
-# ARGV: now, global cap, model cap, tenant cap, deadline, n, item ids..., input hashes...
+# KEYS: global (deadline), global arrivals, quarantine, tenant (deadline), model interactive (deadline),
+#       model interactive arrivals, model arrival counter for this second, model offline (deadline)
+# ARGV: now, global cap, model cap, tenant cap, deadline, n, priority, item ids..., input hashes...
+# An interactive call counts only the interactive items ahead of it (they go first in every batch); an
+# offline call counts both classes.
 _ADMIT = _PURGE + """
 local n = tonumber(ARGV[6])
-for i = 7 + n, #ARGV do
+for i = 8 + n, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
-redis.call('INCRBY', KEYS[7], n)  -- demand, refused or not: what autoscaling must cover
-redis.call('EXPIRE', KEYS[7], 60)
 purge(KEYS[1], KEYS[2], ARGV[1])
 purge(KEYS[4], '', ARGV[1])
 purge(KEYS[5], KEYS[6], ARGV[1])
+purge(KEYS[8], '', ARGV[1])
 if redis.call('ZCARD', KEYS[4]) + n > tonumber(ARGV[4]) then return 'tenant_full' end
-if redis.call('ZCARD', KEYS[5]) + n > tonumber(ARGV[3]) then return 'full' end
+redis.call('INCRBY', KEYS[7], n)  -- demand on the fleet, admitted or not: what autoscaling must cover
+redis.call('EXPIRE', KEYS[7], 60)
+local offline = ARGV[7] == 'offline'
+local ahead = redis.call('ZCARD', KEYS[5])
+if offline then ahead = ahead + redis.call('ZCARD', KEYS[8]) end
+if ahead + n > tonumber(ARGV[3]) then return 'full' end
 if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[2]) then return 'full' end
-for i = 7, 6 + n do
+for i = 8, 7 + n do
   redis.call('ZADD', KEYS[1], ARGV[5], ARGV[i])
   redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
   redis.call('ZADD', KEYS[4], ARGV[5], ARGV[i])
-  redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
-  redis.call('ZADD', KEYS[6], ARGV[1], ARGV[i])
+  if offline then
+    redis.call('ZADD', KEYS[8], ARGV[5], ARGV[i])
+  else
+    redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
+    redis.call('ZADD', KEYS[6], ARGV[1], ARGV[i])
+  end
 end
 return 'ok'
 """
@@ -116,6 +126,7 @@ class Ticket:
 
     tenant: str
     model: str
+    priority: str = "interactive"
 
 
 class Admission:
@@ -136,19 +147,22 @@ class Admission:
         return f"{self.key}:m:{model}"
 
     def _sets(self, ticket: Ticket) -> list[str]:
+        """The five sets an admitted item is in (for an offline one, its arrival set is not one of them; removing
+        from it is a no-op that keeps the scripts' key count fixed)."""
         model = self.model_key(ticket.model)
-        return [self.key, self.arrivals_key, self.tenant_key(ticket.tenant), model, model + ":arrivals"]
+        deadline_set = model + ":offline" if ticket.priority == "offline" else model
+        return [self.key, self.arrivals_key, self.tenant_key(ticket.tenant), deadline_set, model + ":arrivals"]
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
                   deadline: float, model_cap: int | None = None, tenant_cap: int | None = None
                   ) -> tuple[Verdict, str | None]:
         """Admit all items or none. Returns the verdict and, when quarantined, the offending input hash."""
-        keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant),
-                self.model_key(ticket.model), self.model_key(ticket.model) + ":arrivals",
-                f"{self.model_key(ticket.model)}:rate:{int(now)}"]
+        model = self.model_key(ticket.model)
+        keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
+                model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline"]
         raw = self._admit(keys=keys, args=[now, self.cap, self.cap if model_cap is None else model_cap,
                                            self.cap if tenant_cap is None else tenant_cap, deadline, len(item_ids),
-                                           *item_ids, *hashes])
+                                           ticket.priority, *item_ids, *hashes])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         if text.startswith("quarantined:"):
             return Verdict.QUARANTINED, text.split(":", 1)[1]
@@ -177,7 +191,8 @@ class Admission:
         return float(oldest[0][1]) if oldest else None
 
     def model_load(self, models: Sequence[str], now: float) -> dict[str, "ModelLoad"]:
-        """Per model: age of the oldest unanswered request and the arrival rate (items/s) of the last seconds."""
+        """Per model: age of the oldest unanswered interactive request (offline ones are meant to wait) and the
+        arrival rate (items/s, both classes) of the last seconds."""
         out: dict[str, ModelLoad] = {}
         second = int(now)
         for model in models:

@@ -278,7 +278,7 @@ class Batcher:
             return self.wait.fixed_s
         workers = self.live_workers()
         times = [w.batch_ms_estimate / 1000 for w in workers if w.model == model and w.batch_ms_estimate > 0]
-        oldest = buffer.oldest_arrival()
+        oldest = buffer.oldest_interactive()  # the wait applies to interactive items (offline ones have their own)
         rate = self.rates[model].rate(now) if model in self.rates else 0.0
         return self.wait.wait_s(
             waiting=len(buffer), waited_s=0.0 if oldest is None else now - oldest,

@@ -402,7 +402,7 @@ def tenants() -> None:
 
 @tenants.command("set")
 @click.argument("name")
-@click.option("--weight", type=click.FloatRange(min=0, min_open=True),
+@click.option("--weight", type=click.FloatRange(min=0, min_open=True, max=1000),
               help="Share of batch slots when tenants compete (default: LLMB_TENANT_WEIGHT).")
 @click.option("--max-in-flight", type=click.IntRange(min=1),
               help="Items admitted and not yet answered; over it: 429 (default: LLMB_TENANT_MAX_IN_FLIGHT).")

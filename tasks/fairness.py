@@ -75,10 +75,10 @@ class DeficitRoundRobin(Generic[T]):
     def add(self, waiting: Waiting[T], weight: float = 1.0) -> None:
         flow = self._flows.get(waiting.tenant)
         if flow is None:
-            flow = self._flows[waiting.tenant] = _Flow(weight=max(weight, 0.01))
+            flow = self._flows[waiting.tenant] = _Flow(weight=min(max(weight, 0.01), 1000.0))
             self._ring.append(waiting.tenant)  # a new tenant joins at the back of the round
         else:
-            flow.weight = max(weight, 0.01)  # the latest request's weight wins (an operator changed it)
+            flow.weight = min(max(weight, 0.01), 1000.0)  # the latest request's weight wins (an operator changed it)
         flow.queue.append(waiting)
         self._len += 1
 
@@ -200,6 +200,10 @@ class FairBuffer(Generic[T]):
     def put_back(self, taken: list[Waiting[T]]) -> None:
         for p in PRIORITIES:
             self.classes[p].put_back([w for w in taken if w.priority == p])
+        self._min_deadline = min([self._min_deadline, *(w.deadline for w in taken)])
+
+    def oldest_interactive(self) -> float | None:
+        return self.classes[INTERACTIVE].oldest_arrival()
 
     def clear(self) -> list[T]:
         items = [w.item for w in self]

@@ -118,7 +118,7 @@ class Gateway:
     def submit(self, call: Call) -> Answer:
         """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure."""
         ids, deadline, accepted_at = self._enter(call)
-        ticket = Ticket(call.tenant, call.model)
+        ticket = Ticket(call.tenant, call.model, call.priority)
         found: dict[str, ItemResult] = {}
         try:
             found = self.listener.wait(ids, deadline, self._reader(ticket))
@@ -142,7 +142,7 @@ class Gateway:
         if len(call.inputs) != 1:
             raise InvalidInput("streaming takes exactly one prompt")
         ids, deadline, _ = self._enter(replace(call, params={**call.params, "stream": True}))
-        return self._events(Ticket(call.tenant, call.model), ids[0], deadline)
+        return self._events(Ticket(call.tenant, call.model, call.priority), ids[0], deadline)
 
     def _events(self, ticket: Ticket, item_id: str, deadline: float) -> Generator[tuple[str, Any], None, None]:
         finished = False
@@ -181,7 +181,11 @@ class Gateway:
             params=call.params, weight=call.weight, priority=call.priority,
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
-        ticket = Ticket(call.tenant, call.model)
+        ticket = Ticket(call.tenant, call.model, call.priority)
+        models = self.live_models()  # before admission: a model nobody serves takes no room and no counter
+        if call.model not in models:
+            served = ", ".join(sorted(models)) or "none"
+            raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
         try:
             verdict, bad_hash = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, deadline=request.deadline,
@@ -193,19 +197,16 @@ class Gateway:
                               "alone before; an operator can release it with "
                               f"`llmb-admin quarantine release {bad_hash}`")
         if verdict is Verdict.TENANT_FULL:
+            cap = call.tenant_cap or self.settings.admission_cap
             raise TenantOverLimit(
-                f"tenant {call.tenant!r} has {call.tenant_cap} items in flight, its cap; retry when some are "
-                "answered (other tenants are not affected)", retry_after_s=self.settings.retry_after_s)
+                f"tenant {call.tenant!r} is at its cap of {cap} items in flight; retry when some are answered "
+                "(other tenants are not affected)", retry_after_s=self.settings.retry_after_s)
         if verdict is Verdict.FULL:
             raise QueueFull(
                 "the service is full: no room to answer this request within its deadline; retry later",
                 retry_after_s=self.settings.retry_after_s,
             )
         try:
-            models = self.live_models()
-            if call.model not in models:
-                served = ", ".join(sorted(models)) or "none"
-                raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
             self.listener.start()
             try:
                 self.publisher.publish(request)

@@ -36,6 +36,7 @@ from tasks.ledger import Base, make_engine
 
 log = logging.getLogger("llmb.tenants")
 
+MAX_WEIGHT = 1000.0  # shares are relative: 1000:1 is already "the other tenant gets the crumbs"
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 KEY_FORMAT = re.compile(r"^llmb_([0-9a-f]{8})_[A-Za-z0-9_-]{16,128}$")
 HOW_TO_AUTH = "send Authorization: Bearer <key>; keys are issued with `llmb-admin keys create <tenant>`"
@@ -155,8 +156,8 @@ class KeyStore:
 
     @staticmethod
     def _validated(policy: TenantPolicy) -> TenantPolicy:
-        if not (policy.weight > 0 and math.isfinite(policy.weight)):
-            raise ValueError(f"weight must be a number more than 0, not {policy.weight}")
+        if not (0 < policy.weight <= MAX_WEIGHT and math.isfinite(policy.weight)):
+            raise ValueError(f"weight must be a number more than 0 and at most {MAX_WEIGHT:g}, not {policy.weight}")
         if policy.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be at least 1, not {policy.max_in_flight}")
         return policy

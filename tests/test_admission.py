@@ -31,3 +31,49 @@ def test_recommended_workers_follow_arrival_rate_batch_time_and_headroom() -> No
     assert recommended_workers(400.0, [w(250.0)], 1.0) == 1  # exactly one device's capacity
     assert recommended_workers(400.0, [w(250.0)], 1.25) == 2  # ... plus headroom
     assert recommended_workers(1000.0, [w(250.0), w(250.0)], 1.25) == 4  # 1000/s x 0.25 s / 100 x 1.25
+
+
+def test_admission_caps_against_the_real_redis() -> None:
+    """The Lua script: tenant cap, model cap per priority, release from every set, purge of expired items."""
+    import time
+    import uuid
+
+    import redis
+
+    from tasks.admission import Admission, Ticket, Verdict
+    from tests.stack import REDIS_URL
+
+    client = redis.Redis.from_url(REDIS_URL)
+    ns = f"adm{uuid.uuid4().hex[:8]}"
+    adm = Admission(client, f"{ns}:inflight", 1000, f"{ns}:quarantine")
+    now = time.time()
+    chat, job = Ticket("chat", "sim"), Ticket("batch-job", "sim", "offline")
+
+    def admit(ticket: Ticket, n: int, *, model_cap: int = 10, tenant_cap: int = 100, deadline: float = now + 30,
+              at: float = now) -> tuple[Verdict, list[str]]:
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        verdict, _ = adm.try_admit(ids, ["h"] * n, ticket=ticket, now=at, deadline=deadline, model_cap=model_cap,
+                                   tenant_cap=tenant_cap)
+        return verdict, ids
+
+    try:
+        assert admit(job, 10)[0] is Verdict.OK  # offline work fills the model's room...
+        assert admit(job, 1)[0] is Verdict.FULL  # ...for more offline work
+        verdict, chat_ids = admit(chat, 8)
+        assert verdict is Verdict.OK  # interactive callers count only interactive work ahead of them
+        assert admit(chat, 3)[0] is Verdict.FULL
+        assert admit(Ticket("small", "sim"), 3, tenant_cap=2)[0] is Verdict.TENANT_FULL
+        assert adm.tenant_in_flight("chat", now) == 8 and adm.in_flight(now) == 18
+        oldest = adm.model_load(["sim"], now + 2)["sim"]
+        assert 1.9 < oldest.oldest_age_s < 2.1 and oldest.rate_per_s > 0  # interactive arrivals only
+        adm.release(chat, chat_ids)
+        assert adm.tenant_in_flight("chat", now) == 0 and adm.in_flight(now) == 10
+        assert adm.model_load(["sim"], now)["sim"].oldest_age_s == 0.0
+        assert admit(chat, 10)[0] is Verdict.OK
+        # an API process that died leaks nothing past its callers' deadlines
+        assert admit(Ticket("gone", "sim"), 5, model_cap=100, deadline=now + 1)[0] is Verdict.OK
+        assert adm.tenant_in_flight("gone", now) == 5
+        assert admit(Ticket("gone", "sim"), 5, model_cap=100, tenant_cap=5, at=now + 2)[0] is Verdict.OK
+    finally:
+        for key in client.scan_iter(f"{ns}:*"):
+            client.delete(key)

@@ -18,7 +18,8 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> 
     for name in ("reference-10%", "system-10%", "system-90%"):
         scenario = report["scenarios"][name]
         assert scenario["sent"] > 0 and scenario["statuses"].get("200", 0) > 0
-        assert scenario["cpu_ms_per_request"] > 0
+        assert scenario["cpu_ms_per_request"] >= 0, name  # a 2-second run may fall within one clock tick
+    assert report["scenarios"]["system-90%"]["cpu_ms_per_request"] > 0
     assert report["scenarios"]["system-90%"]["batches"] > 0
     assert {t["target"] for t in report["targets"]} >= {"90% load: answered 200",
                                                           "callers answered > 100 ms after their deadline"}

@@ -84,8 +84,11 @@ def test_admin_routes_need_an_admin_key(keyed: Stack) -> None:
     set_ = requests.put(url + "/tenants/team-api", json={"weight": 2, "max_in_flight": 50},
                         headers=auth(admin_key), timeout=10)
     assert set_.status_code == 200 and set_.json()["weight"] == 2.0, set_.text
-    assert_json_error(requests.put(url + "/tenants/team-api", json={"weight": -1}, headers=auth(admin_key),
-                                   timeout=10), 400)
+    for bad in ({"weight": -1}, {"weight": "2"}, {"max_in_flight": 1.5}, {"weight": 1e308}):
+        assert_json_error(requests.put(url + "/tenants/team-api", json=bad, headers=auth(admin_key), timeout=10),
+                          400)
+    assert_json_error(requests.post(url + "/keys", json={"tenant": "x", "admin": "false"}, headers=auth(admin_key),
+                                    timeout=10), 400)
     tenants = requests.get(url + "/tenants", headers=auth(admin_key), timeout=10).json()["tenants"]
     assert {"name": "team-api", "weight": 2.0, "max_in_flight": 50, "priority": "interactive",
             "in_flight": 0} in tenants

@@ -23,6 +23,7 @@ def test_single_and_multi_input() -> None:
     {"inputs": ["a", "b", "c", "d"]}, {"input": "a", "timeout_ms": 0}, {"input": "a", "timeout_ms": 9001},
     {"input": "a", "timeout_ms": "10"}, {"input": "a", "timeout_ms": True}, {"input": "a", "model": ""},
     {"input": "a", "tenant": "no spaces"}, {"input": "a", "surprise": 1}, {"input": "a", "priority": "urgent"},
+    {"input": "a", "model": "sim:arrivals"},
 ])
 def test_malformed_bodies_are_rejected_with_a_reason(body: object) -> None:
     with pytest.raises(InvalidInput) as info:

@@ -67,6 +67,10 @@ def set_tenant(name: str) -> Response:
     unknown = set(body) - {"weight", "max_in_flight", "priority"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    kinds = {"weight": (int, float), "max_in_flight": (int,), "priority": (str,)}
+    for field, value in body.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[field])):
+            raise InvalidInput(f"'{field}' must be a {'number' if field == 'weight' else kinds[field][0].__name__}")
     return jsonify(asdict(_store().set_tenant(name, **body)))
 
 
@@ -80,10 +84,14 @@ def list_keys() -> Response:
 @bp.post("/keys")
 def create_key() -> Response:
     body = _json_object()
-    tenant = body.get("tenant")
+    tenant, admin, label = body.get("tenant"), body.get("admin", False), body.get("label")
     if not isinstance(tenant, str):
         raise InvalidInput("'tenant' is required")
-    key_id, key = _store().create_key(tenant, admin=bool(body.get("admin", False)), label=body.get("label"))
+    if not isinstance(admin, bool):
+        raise InvalidInput("'admin' must be true or false")
+    if label is not None and not isinstance(label, str):
+        raise InvalidInput("'label' must be a string")
+    key_id, key = _store().create_key(tenant, admin=admin, label=label)
     response = jsonify(id=key_id, tenant=tenant, key=key, note="shown once: only its hash is stored")
     response.status_code = 201
     return response

@@ -32,8 +32,9 @@ from webapp.validation import bind
 
 bp = Blueprint("openai", __name__)
 
-OPENAI_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 413: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error", 504: "timeout"}
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 KIND_FOR = {"completions": ("causal",), "chat": ("causal",), "embeddings": ("embed",)}
 
 
@@ -181,6 +182,7 @@ def embeddings() -> Response:
 
 @bp.get("/v1/models")
 def models() -> Response:
+    _authenticate()
     served = sorted({w.model for w in _gateway().live_workers()})
     return jsonify(object="list", data=[{"id": m, "object": "model", "created": 0, "owned_by": "llm-batcher"}
                                         for m in served])

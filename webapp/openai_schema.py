@@ -15,7 +15,7 @@ from tasks.config import Settings
 from tasks.errors import InvalidInput
 from tasks.gateway import Call
 from tasks.schema import ItemResult
-from webapp.validation import timeout_limit_ms
+from webapp.validation import check_model, timeout_limit_ms
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -30,9 +30,7 @@ def _number(body: dict[str, Any], name: str, default: float, low: float, high: f
 def _common(body: Any, settings: Settings) -> tuple[str, dict[str, Any], int]:
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise InvalidInput("'model' is required (GET /v1/models lists the models served)")
+    model = check_model(body.get("model"))
     if body.get("n", 1) != 1:
         raise InvalidInput("only n=1 is supported")
     if body.get("logprobs") not in (None, False, 0):

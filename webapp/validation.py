@@ -13,6 +13,7 @@ from tasks.tenants import Principal, Priority
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+MODEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")  # hub ids and folder names; no ':' (model names are in Redis keys)
 
 
 def request_id_from(header: str | None) -> str:
@@ -49,8 +50,7 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
                            f"({settings.offline_max_timeout_ms} for offline requests)")
 
     model = body.get("model", settings.default_model)
-    if not isinstance(model, str) or not model:
-        raise InvalidInput("'model' must be a non-empty string")
+    check_model(model)
 
     tenant = body.get("tenant", tenant_header or "default")
     if not isinstance(tenant, str) or not TENANT.match(tenant):
@@ -58,6 +58,13 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
 
     return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=int(timeout_ms),
                 priority=parse_priority(body.get("priority")))
+
+
+def check_model(model: Any) -> str:
+    if not isinstance(model, str) or not MODEL.match(model):
+        raise InvalidInput("'model' must be 1-128 characters of letters, digits, '.', '_', '-' or '/' "
+                           "(GET /v1/models lists the models served)")
+    return model
 
 
 def timeout_limit_ms(settings: Settings) -> int:
