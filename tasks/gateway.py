@@ -182,10 +182,6 @@ class Gateway:
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
         ticket = Ticket(call.tenant, call.model, call.priority)
-        models = self.live_models()  # before admission: a model nobody serves takes no room and no counter
-        if call.model not in models:
-            served = ", ".join(sorted(models)) or "none"
-            raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
         try:
             verdict, bad_hash = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, deadline=request.deadline,
@@ -206,7 +202,11 @@ class Gateway:
                 "the service is full: no room to answer this request within its deadline; retry later",
                 retry_after_s=self.settings.retry_after_s,
             )
-        try:
+        try:  # after admission, so that a quarantined input is refused as such even while no worker is up
+            models = self.live_models()
+            if call.model not in models:
+                served = ", ".join(sorted(models)) or "none"
+                raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
             self.listener.start()
             try:
                 self.publisher.publish(request)
