@@ -183,7 +183,7 @@ def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stac
     worker.start()
     try:
         time.sleep(0.5)
-        stats = json_.loads(models_stack.admin("stats", "--interval", "2", "--json").stdout)
+        stats = json_.loads(models_stack.admin("stats", "--interval", "4", "--json").stdout)
     finally:
         stop.set()
         worker.join()

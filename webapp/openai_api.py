@@ -8,9 +8,9 @@ shape, ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, TypeVar
 
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException
@@ -35,6 +35,7 @@ bp = Blueprint("openai", __name__)
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                 404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
                 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+T = TypeVar("T")
 KIND_FOR = {"completions": ("causal",), "chat": ("causal",), "embeddings": ("embed",)}
 
 
@@ -78,6 +79,14 @@ def _settings() -> Settings:
 
 def _tenant() -> str:
     return request.headers.get("X-Tenant") or "default"
+
+
+def _parsed(parse: Callable[[Any, Settings, str, str], tuple[Call, T]]) -> tuple[Call, T]:
+    """Authenticate (before the body is read), parse the body, and give the call its tenant's policy."""
+    _authenticate()
+    body = request.get_json(force=True)
+    call, extra = parse(body, _settings(), g.request_id, _tenant())
+    return _bind(call, body), extra
 
 
 def _authenticate() -> None:
@@ -151,10 +160,7 @@ def _data(payload: dict[str, Any]) -> str:
 
 @bp.post("/v1/completions")
 def completions() -> Response:
-    _authenticate()
-    body = request.get_json(force=True)
-    call, stream = parse_completion(body, _settings(), g.request_id, _tenant())
-    call = _bind(call, body)
+    call, stream = _parsed(parse_completion)
     if stream:
         return _sse(call, "completions")
     return jsonify(completion_response(call.request_id, call.model, _run(call, "completions")))
@@ -162,10 +168,7 @@ def completions() -> Response:
 
 @bp.post("/v1/chat/completions")
 def chat_completions() -> Response:
-    _authenticate()
-    body = request.get_json(force=True)
-    call, stream = parse_chat(body, _settings(), g.request_id, _tenant())
-    call = _bind(call, body)
+    call, stream = _parsed(parse_chat)
     if stream:
         return _sse(call, "chat")
     return jsonify(chat_response(call.request_id, call.model, _run(call, "chat")))
@@ -173,10 +176,7 @@ def chat_completions() -> Response:
 
 @bp.post("/v1/embeddings")
 def embeddings() -> Response:
-    _authenticate()
-    body = request.get_json(force=True)
-    call, encoding = parse_embeddings(body, _settings(), g.request_id, _tenant())
-    call = _bind(call, body)
+    call, encoding = _parsed(parse_embeddings)
     return jsonify(embeddings_response(call.model, _run(call, "embeddings"), encoding))
 
 
