@@ -68,10 +68,6 @@ class DeficitRoundRobin(Generic[T]):
         for flow in self._flows.values():
             yield from flow.queue
 
-    def tenants(self) -> dict[str, int]:
-        """Waiting items per tenant."""
-        return {name: len(flow.queue) for name, flow in self._flows.items()}
-
     def add(self, waiting: Waiting[T], weight: float = 1.0) -> None:
         flow = self._flows.get(waiting.tenant)
         if flow is None:
@@ -163,9 +159,6 @@ class FairBuffer(Generic[T]):
         gone = [w.item for c in self.classes.values() for w in c.remove_if(now)]
         self._min_deadline = min((w.deadline for w in self), default=float("inf"))
         return gone
-
-    def oldest_arrival(self) -> float | None:
-        return min((a for c in self.classes.values() if (a := c.oldest_arrival()) is not None), default=None)
 
     def ready_at(self, wait_s: float | None = None) -> float | None:
         """When a batch becomes due on its own: the oldest interactive item's arrival plus ``wait_s``
