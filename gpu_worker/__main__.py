@@ -44,9 +44,11 @@ def main(device: int, backend: str, model: str | None, host: str, queue: str | N
 
 def run_worker(device: int, backend: str, model: str | None, host: str, queue: str | None) -> None:
     import redis
+    from celery import signals
 
     from gpu_worker.backends import load_backend
     from gpu_worker.cancellations import Cancellations
+    from gpu_worker.drain import empty_queue
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
@@ -89,10 +91,27 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         cancelled=Cancellations(client, settings.key("cancel")),
     )
     fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
-    app.conf["llmb_worker"] = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch,
-                                            fleet, state, settings, model_backend.kind, model_backend.max_context,
-                                            model_backend.slots, getattr(model_backend, "kv_tokens", 0))
+    runtime = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch, fleet, state, settings,
+                            model_backend.kind, model_backend.max_context, model_backend.slots,
+                            getattr(model_backend, "kv_tokens", 0))
+    app.conf["llmb_worker"] = runtime
     app.steps["worker"].add(HeartbeatStep)
+
+    # A graceful stop hands back everything this worker holds before it leaves the fleet (gpu_worker.drain).
+    @signals.worker_shutting_down.connect
+    def _begin_drain(**_: object) -> None:
+        runner.drain()
+        runtime.begin_drain()
+
+    @signals.worker_shutdown.connect
+    def _finish_drain(**_: object) -> None:
+        try:
+            handed = empty_queue(settings.broker_url, queue, runner.give_back, worker_id)
+            if handed:
+                click.echo(f"gpu-worker: handed back {handed} queued batch(es) before leaving", err=True)
+        except Exception as exc:  # the batchers take back what is left when they see this worker gone
+            click.echo(f"gpu-worker: could not empty {queue} ({exc}); the batchers will take it back", err=True)
+        runtime.leave()
 
     @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)
     def run_batch(batch: dict) -> dict:  # type: ignore[type-arg]
@@ -100,9 +119,11 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     # One pool thread: one batch at a time, while the event loop stays free to ack at once and to take
     # the next batch as soon as it is due. (The solo pool runs the batch inside the loop; kombu then leaves
-    # the ack queued until its next poll times out, measured here as 2 s idle gaps between batches.)
+    # the ack queued until its next poll times out, measured here as 2 s idle gaps between batches.) The
+    # thread pool is Celery's, except that a warm shutdown lets prefetched batches be handed back.
     try:
-        app.worker_main(["worker", "--pool=threads", f"--concurrency={model_backend.slots}", f"--queues={queue}",
+        app.conf.worker_pool = "gpu_worker.drain:DrainingThreadPool"
+        app.worker_main(["worker", f"--concurrency={model_backend.slots}", f"--queues={queue}",
                          f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
                          f"--prefetch-multiplier={settings.max_outstanding_batches}",
                          "--without-gossip", "--without-mingle", "--task-events"])

@@ -16,7 +16,7 @@ from kombu import Connection
 
 from gpu_worker.runner import WorkerState
 from tasks.config import Settings
-from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
+from tasks.fleet import DRAINING, BatchEvent, Fleet, WorkerInfo, fleet_exchange
 from tasks.queues import RETRY_POLICY, recovery_queue
 from tasks.schema import Batch, Failure
 
@@ -24,33 +24,17 @@ log = logging.getLogger("llmb.worker")
 
 
 class HeartbeatStep(bootsteps.StartStopStep):
+    """Starts the heartbeat with the pool. It keeps beating through a graceful stop (as "draining") until
+    :meth:`WorkerRuntime.leave`, which runs once everything the worker held was handed back."""
+
     requires = ("celery.worker.components:Pool",)
 
     def __init__(self, w: Any, **kwargs: Any) -> None:
         super().__init__(w, **kwargs)
-        self.runtime = w.app.conf["llmb_worker"]
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self.runtime: WorkerRuntime = w.app.conf["llmb_worker"]
 
     def start(self, w: Any) -> None:
-        self._thread = threading.Thread(target=self._loop, name="heartbeat", daemon=True)
-        self._thread.start()
-
-    def stop(self, w: Any) -> None:
-        self._stop.set()
-        try:
-            self.runtime.fleet.leave(self.runtime.worker_id)  # leave the pool at once on a clean shutdown
-        except Exception as exc:  # Redis may be gone; the entry goes stale on its own
-            log.warning("could not remove heartbeat: %s", exc)
-
-    def _loop(self) -> None:
-        interval = self.runtime.settings.heartbeat_interval_s
-        while not self._stop.is_set():
-            try:
-                self.runtime.fleet.beat(self.runtime.info())
-            except Exception as exc:  # keep beating: Redis may come back
-                log.warning("heartbeat failed: %s", exc)
-            self._stop.wait(interval)
+        self.runtime.start_heartbeat()
 
 
 class WorkerRuntime:
@@ -70,6 +54,41 @@ class WorkerRuntime:
         self.fleet = fleet
         self.state = state
         self.settings = settings
+        self.draining = False
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._beating = threading.Lock()  # a beat in progress never lands after leave()
+
+    def start_heartbeat(self) -> None:
+        threading.Thread(target=self._loop, name="heartbeat", daemon=True).start()
+
+    def begin_drain(self) -> None:
+        """Tell the batchers at once that this worker takes no more batches."""
+        self.draining = True
+        self._wake.set()
+
+    def leave(self) -> None:
+        """Stop beating and leave the fleet view (everything this worker held has been handed back)."""
+        with self._beating:
+            self._stop.set()
+        self._wake.set()
+        try:
+            self.fleet.leave(self.worker_id)
+        except Exception as exc:  # Redis may be gone; the entry goes stale on its own
+            log.warning("could not remove heartbeat: %s", exc)
+
+    def _loop(self) -> None:
+        interval = self.settings.heartbeat_interval_s
+        while True:
+            try:
+                with self._beating:
+                    if self._stop.is_set():
+                        return
+                    self.fleet.beat(self.info())
+            except Exception as exc:  # keep beating: Redis may come back
+                log.warning("heartbeat failed: %s", exc)
+            self._wake.wait(interval)
+            self._wake.clear()
 
     def info(self) -> WorkerInfo:
         now = time.time()
@@ -77,7 +96,7 @@ class WorkerRuntime:
         started = self.state.batch_started_at
         return WorkerInfo(
             id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
-            state="busy" if started is not None else "idle",
+            state=DRAINING if self.draining else "busy" if started is not None else "idle",
             outstanding=len(celery_state.reserved_requests),
             completed=self.state.completed, batch_started_at=started,
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
@@ -119,9 +138,9 @@ class GiveBack:
         self.queue = recovery_queue(queue_name)
         self.worker_id = worker_id
 
-    def __call__(self, batch: Batch, failure: Failure, error: str) -> None:
+    def __call__(self, batch: Batch, failure: Failure, error: str, blame: str) -> None:
         with self.app.producer_or_acquire() as producer:
             producer.publish({"batch": batch.to_dict(), "failure": str(failure), "error": error,
-                              "worker": self.worker_id},
+                              "worker": self.worker_id, "blame": blame},
                              exchange="", routing_key=self.queue.name, declare=[self.queue], serializer="json",
                              delivery_mode=2, retry=True, retry_policy=RETRY_POLICY)

@@ -9,26 +9,30 @@ answers its callers with a failure it cannot attribute.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Container
-from typing import Any
+from typing import Any, TypeVar
 
 import redis
 from celery.exceptions import Reject
 
 from gpu_worker.backends import Backend, Hooks, ItemError
-from tasks.claims import Claims
+from tasks.claims import DIED, MINE, SKIP, Claims
 from tasks.fleet import BatchEvent
 from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
 from tasks.results import ResultWriter, publish_deltas
 from tasks.schema import Batch, BatchItem, Failure, ItemResult
 
 log = logging.getLogger("llmb.worker")
+T = TypeVar("T")
 
-GiveBack = Callable[[Batch, Failure, str], None]
+GiveBack = Callable[[Batch, Failure, str, str], None]  # batch, failure, error, the worker id to blame
+REDIS_RETRY_S = (0.1, 0.2, 0.5, 1.0)  # pauses between attempts while Redis is unreachable
 
 
 class WorkerState:
@@ -79,12 +83,22 @@ class WorkerState:
 
 
 class BatchRunner:
+    """Runs batch tasks. ``run_id`` (``<worker id>/<token>``) names this process in batch claims.
+
+    No batch task ends (and is acknowledged) before its outcome is settled: results written, handed back to
+    the batchers, or its callers' deadlines passed. While Redis is unreachable it waits for Redis, within
+    those deadlines; once :meth:`drain` was called (a graceful stop) batches not yet started are handed back.
+    """
+
     def __init__(self, backend: Backend, writer: ResultWriter, worker_id: str, state: WorkerState, *,
                  announce: Callable[[BatchEvent], None], claims: Claims, give_back: GiveBack,
                  record: Callable[[LedgerEvent], None],
                  observe: Callable[[Any, int, float, int], None] = lambda pipe, size, run_s, tokens: None,
-                 cancelled: Container[str] = frozenset()) -> None:
+                 cancelled: Container[str] = frozenset(), run_id: str = "") -> None:
         self.backend = backend
+        self.run_id = run_id or f"{worker_id}/{uuid.uuid4().hex[:12]}"
+        self.draining = threading.Event()
+        self._running: set[str] = set()  # batch ids this process is running now
         self.writer = writer
         self.worker_id = worker_id
         self.state = state
@@ -95,6 +109,10 @@ class BatchRunner:
         self.observe = observe  # adds a batch to the metrics, inside the results pipeline
         self.cancelled = cancelled  # item ids whose callers went away
 
+    def drain(self) -> None:
+        """A graceful stop began: batches not started from now on are handed back, unstarted, to the batchers."""
+        self.draining.set()
+
     def run(self, batch: Batch) -> dict[str, Any]:
         """Run the batch and write its results; the batchers hear when it starts and when it is done."""
         run_ms: float | None = None
@@ -102,21 +120,41 @@ class BatchRunner:
             summary = self._run(batch)
             run_ms = summary.get("run_ms")
             return summary
+        except Reject:
+            raise
+        except Exception as exc:  # a defect of ours, not of the inputs: still, never ack a batch not settled
+            log.exception("batch %s: unexpected failure; handing it back", batch.id, extra={"batch_id": batch.id})
+            self._hand_back(batch, Failure.RAISED, f"the worker failed on this batch: {type(exc).__name__}: {exc}")
+            return {"batch_id": batch.id, "given_back": "raised"}
         finally:
             self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms))
 
     def _run(self, batch: Batch) -> dict[str, Any]:
         summary: dict[str, Any] = {"batch_id": batch.id, "size": len(batch.items)}
-        claim = self.claims.for_run(batch.id, self.worker_id)
-        if claim == "skip":
-            log.info("batch %s was reassigned or already done; skipping it", batch.id, extra={"batch_id": batch.id})
+        if self.draining.is_set():
+            log.info("batch %s: stopping; handing it back unstarted", batch.id, extra={"batch_id": batch.id})
+            self._hand_back(batch, Failure.RETURNED, f"worker {self.worker_id} was stopping")
+            return {**summary, "given_back": "returned"}
+        claim = self._until_settled(batch, lambda: self.claims.for_run(batch.id, self.run_id))
+        if claim is None:
+            return {**summary, "dropped_expired": len(batch.items)}
+        if claim.verdict == SKIP or (claim.verdict == MINE and batch.id in self._running):
+            log.info("batch %s was reassigned, is running here or is done; skipping it", batch.id,
+                     extra={"batch_id": batch.id})
             return {**summary, "skipped": True}
-        if claim == "died":
-            log.warning("batch %s: its previous worker died running it; handing it back for isolation", batch.id,
-                        extra={"batch_id": batch.id})
-            self._hand_back(batch, Failure.DIED, "the worker running this batch died")
+        if claim.verdict == DIED:
+            log.warning("batch %s: its previous worker (%s) died running it; handing it back for isolation",
+                        batch.id, claim.owner, extra={"batch_id": batch.id})
+            self._hand_back(batch, Failure.DIED, f"the worker running this batch ({claim.worker}) died",
+                            blame=claim.worker)
             return {**summary, "given_back": "died"}
+        self._running.add(batch.id)
+        try:
+            return self._execute(batch, summary)
+        finally:
+            self._running.discard(batch.id)
 
+    def _execute(self, batch: Batch, summary: dict[str, Any]) -> dict[str, Any]:
         # Items whose caller will be gone before this batch can finish are not worth running.
         horizon = time.time() + self.state.batch_ms_estimate / 1000
         live = tuple(i for i in batch.items if i.deadline > horizon)
@@ -126,7 +164,7 @@ class BatchRunner:
                                      batch.id))
         summary.update(size=len(live), dropped_expired=len(expired))
         if not live:
-            self.writer.mark_done(self.claims.key(batch.id))
+            self._until_settled(batch, lambda: self.writer.mark_done(self.claims.key(batch.id)))
             return summary
 
         started_at = time.time()
@@ -158,8 +196,13 @@ class BatchRunner:
         tokens = sum(int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
                      for o in outputs if isinstance(o, dict))
         self.state.add_work(run_ms / 1000, tokens, time.time())
-        self._write(list(zip(live, results)), batch.id,
-                    lambda pipe: self.observe(pipe, len(live), run_ms / 1000, tokens))
+        def write() -> bool:
+            self.writer.write(list(zip(live, results)), done_key=self.claims.key(batch.id),
+                              extra=lambda pipe: self.observe(pipe, len(live), run_ms / 1000, tokens))
+            return True
+
+        if self._until_settled(batch, write) is None:  # Redis was away past every deadline: nobody waits now
+            return {**summary, "run_ms": round(run_ms, 1), "unwritten": len(live)}
         rejected = [i for i, o in zip(live, outputs) if isinstance(o, ItemError)]
         if rejected:  # recorded first: the batch's "ok" below does not override a final status
             self.record(ItemsOutcome(batch.model, rejected, "rejected", "the model could not take this input",
@@ -181,24 +224,42 @@ class BatchRunner:
         return Hooks(streaming={p for p, i in enumerate(live) if i.params.get("stream")}, stream=stream,
                      cancelled=lambda p: live[p].id in self.cancelled)
 
-    def _hand_back(self, batch: Batch, failure: Failure, error: str) -> None:
+    def _hand_back(self, batch: Batch, failure: Failure, error: str, blame: str = "") -> None:
         """Give the batch back to the batchers; if that fails, requeue it so nothing is lost."""
         try:
-            self.give_back(batch, failure, error)
+            self.give_back(batch, failure, error, blame or self.worker_id)
         except Exception as exc:
             log.error("could not hand batch %s back (%s); requeueing it", batch.id, exc)
-            self.claims.restore(batch.id, self.worker_id)  # its redelivery must be recognised as failed again
-            raise Reject(f"could not hand the batch back: {exc}", requeue=True) from exc
-        self.claims.give_back(batch.id)
-
-    def _write(self, pairs: list[tuple[Any, ItemResult]], batch_id: str, extra: Callable[[Any], None],
-               attempts: int = 3) -> None:
-        for attempt in range(1, attempts + 1):
             try:
-                self.writer.write(pairs, done_key=self.claims.key(batch_id), extra=extra)
-                return
+                self.claims.restore(batch.id, self.run_id)  # its redelivery is then "mine": run again, no blame
+            except redis.RedisError:
+                pass
+            time.sleep(REDIS_RETRY_S[-1])  # the broker or Redis is away: do not spin on the redelivery
+            raise Reject(f"could not hand the batch back: {exc}", requeue=True) from exc
+        try:
+            self.claims.give_back(batch.id)
+        except redis.RedisError as exc:  # the recovery queue has it; a stray redelivery would be re-run, harmlessly
+            log.warning("could not mark batch %s handed back: %s", batch.id, exc)
+
+    def _until_settled(self, batch: Batch, call: Callable[[], T]) -> T | None:
+        """``call()``, retried while Redis is unreachable; None once every item's deadline has passed.
+
+        A batch task that returned is acknowledged, so returning early on a Redis error would lose the batch:
+        its results could never be written and nobody would run it again.
+        """
+        last = max(i.deadline for i in batch.items)
+        for attempt in itertools.count():
+            try:
+                return call()
             except redis.RedisError as exc:
-                if attempt == attempts:
-                    raise
-                log.warning("writing results failed (%s); retrying", exc)
-                time.sleep(0.2 * attempt)
+                if time.time() > last:
+                    log.error("batch %s: Redis unreachable until every caller's deadline passed (%s); dropping it",
+                              batch.id, exc, extra={"batch_id": batch.id})
+                    self.record(ItemsOutcome(batch.model, list(batch.items), "expired",
+                                             f"Redis unreachable: {exc}", batch.id))
+                    return None
+                pause = REDIS_RETRY_S[min(attempt, len(REDIS_RETRY_S) - 1)]
+                log.warning("batch %s: Redis unreachable (%s); retrying in %g s", batch.id, exc, pause,
+                            extra={"batch_id": batch.id})
+                time.sleep(pause)
+        raise AssertionError("unreachable")

@@ -1,8 +1,10 @@
-"""Admission at the door, shared by every API process through Redis: quarantine check and three caps.
+"""Admission at the door, shared by every API process through Redis: quarantine check and four caps.
 
 An item is admitted only if it fits under all of:
 
-- the global cap (``LLMB_ADMISSION_CAP``): what the whole system holds;
+- the global cap of its priority class (``LLMB_ADMISSION_CAP`` for interactive items,
+  ``LLMB_OFFLINE_ADMISSION_CAP`` for offline ones, so an offline backlog never closes the door to
+  interactive callers);
 - its model's cap: what that model's workers can answer within the caller's deadline (:func:`deadline_cap`),
   so overload is refused at once rather than left to time out;
 - its tenant's in-flight cap, so one tenant cannot take the whole system (the others are unaffected).
@@ -10,9 +12,16 @@ An item is admitted only if it fits under all of:
 Each cap is a sorted set of the ids of admitted, unanswered items scored by their deadline; the model also has
 a set scored by arrival time, for the age of its oldest waiting request (the autoscaling signal), and a
 per-second arrival counter, for its arrival rate (refused calls count: they are demand the fleet missed).
-Admission is one Lua call: refuse a quarantined input; forget members whose deadline has passed (so an API
-process that died cannot leak capacity for longer than its callers' deadlines); admit all of a call's items
-only if they fit.
+Admission is one Lua call: refuse a quarantined input; forget members whose deadline has passed; admit all of
+a call's items only if they fit.
+
+**Time** inside the scripts is Redis's own (``TIME``), and deadlines are scored as Redis time plus the
+caller's timeout: API hosts whose clocks disagree never purge each other's live admissions.
+
+**Dead API processes.** Each API process holds a lease (a member of ``<key>:instances`` scored by its
+expiry) and records what it admitted in its own hash, ``<key>:owner:<instance>`` (item id -> tenant, model,
+class). Whoever renews a lease also reaps lapsed ones (:meth:`Admission.renew`): a process that died
+releases what its callers held within ``api_lease_s``, not at their deadlines (an hour, for offline work).
 """
 from __future__ import annotations
 
@@ -25,10 +34,16 @@ import redis
 from tasks.fleet import WorkerInfo
 
 RATE_WINDOW_S = 10  # the arrival rate is the mean over this many whole seconds
+SEP = "\t"  # between tenant, model and class in an owner hash's values (none of them can hold a tab)
+
+_NOW = """
+local clock = redis.call('TIME')
+local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
+"""
 
 # Forget expired members of a deadline set and of its arrival set. KEYS: set by deadline, set by arrival or ''.
-_PURGE = """
-local function purge(by_deadline, by_arrival, now)
+_PURGE = _NOW + """
+local function purge(by_deadline, by_arrival)
   local expired = redis.call('ZRANGEBYSCORE', by_deadline, '-inf', now)
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', by_deadline, '-inf', now)
@@ -41,57 +56,99 @@ local function purge(by_deadline, by_arrival, now)
 end
 """
 
-# KEYS: global (deadline), global arrivals, quarantine, tenant (deadline), model interactive (deadline),
-#       model interactive arrivals, model arrival counter for this second, model offline (deadline)
-# ARGV: now, global cap, model cap, tenant cap, deadline, n, priority, item ids..., input hashes...
+# KEYS: 1 global (deadline), 2 global arrivals, 3 quarantine, 4 tenant (deadline), 5 model interactive
+#       (deadline), 6 model interactive arrivals, 7 model arrival counter for this second, 8 model offline
+#       (deadline), 9 global offline (deadline), 10 this process's owner hash, 11 leases
+# ARGV: 1 interactive cap, 2 model cap, 3 tenant cap, 4 timeout (s), 5 n, 6 priority, 7 offline cap,
+#       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), item ids..., hashes...
 # An interactive call counts only the interactive items ahead of it (they go first in every batch); an
-# offline call counts both classes.
+# offline call counts both classes at its model, and only offline items against the global caps.
 _ADMIT = _PURGE + """
-local n = tonumber(ARGV[6])
-for i = 8 + n, #ARGV do
+local n = tonumber(ARGV[5])
+local first = 11
+for i = first + n, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
-purge(KEYS[1], KEYS[2], ARGV[1])
-purge(KEYS[4], '', ARGV[1])
-purge(KEYS[5], KEYS[6], ARGV[1])
-purge(KEYS[8], '', ARGV[1])
-if redis.call('ZCARD', KEYS[4]) + n > tonumber(ARGV[4]) then return 'tenant_full' end
+purge(KEYS[1], KEYS[2])
+purge(KEYS[4], '')
+purge(KEYS[5], KEYS[6])
+purge(KEYS[8], '')
+purge(KEYS[9], '')
+if redis.call('ZCARD', KEYS[4]) + n > tonumber(ARGV[3]) then return 'tenant_full' end
 redis.call('INCRBY', KEYS[7], n)  -- demand on the fleet, admitted or not: what autoscaling must cover
 redis.call('EXPIRE', KEYS[7], 60)
-local offline = ARGV[7] == 'offline'
+local offline = ARGV[6] == 'offline'
 local ahead = redis.call('ZCARD', KEYS[5])
 if offline then ahead = ahead + redis.call('ZCARD', KEYS[8]) end
-if ahead + n > tonumber(ARGV[3]) then return 'full' end
-if redis.call('ZCARD', KEYS[1]) + n > tonumber(ARGV[2]) then return 'full' end
-for i = 8, 7 + n do
-  redis.call('ZADD', KEYS[1], ARGV[5], ARGV[i])
-  redis.call('ZADD', KEYS[2], ARGV[1], ARGV[i])
-  redis.call('ZADD', KEYS[4], ARGV[5], ARGV[i])
+if ahead + n > tonumber(ARGV[2]) then return 'full' end
+local offline_total = redis.call('ZCARD', KEYS[9])
+if offline then
+  if offline_total + n > tonumber(ARGV[7]) then return 'full' end
+elseif redis.call('ZCARD', KEYS[1]) - offline_total + n > tonumber(ARGV[1]) then
+  return 'full'
+end
+local deadline = now + tonumber(ARGV[4])
+redis.call('ZADD', KEYS[11], now + tonumber(ARGV[10]), ARGV[9])
+for i = first, first + n - 1 do
+  redis.call('ZADD', KEYS[1], deadline, ARGV[i])
+  redis.call('ZADD', KEYS[2], now, ARGV[i])
+  redis.call('ZADD', KEYS[4], deadline, ARGV[i])
+  redis.call('HSET', KEYS[10], ARGV[i], ARGV[8])
   if offline then
-    redis.call('ZADD', KEYS[8], ARGV[5], ARGV[i])
+    redis.call('ZADD', KEYS[8], deadline, ARGV[i])
+    redis.call('ZADD', KEYS[9], deadline, ARGV[i])
   else
-    redis.call('ZADD', KEYS[5], ARGV[5], ARGV[i])
-    redis.call('ZADD', KEYS[6], ARGV[1], ARGV[i])
+    redis.call('ZADD', KEYS[5], deadline, ARGV[i])
+    redis.call('ZADD', KEYS[6], now, ARGV[i])
   end
 end
 return 'ok'
 """
 
-# KEYS: the five sets of one call, result keys...; ARGV: the item ids of those keys, in order.
+# KEYS: the six sets of one call, its owner hash, result keys...; ARGV: the item ids of those keys, in order.
 # Reads the results and releases the admission of every item that has one, in one round trip.
 _COLLECT = """
-local values = redis.call('MGET', unpack(KEYS, 6))
+local values = redis.call('MGET', unpack(KEYS, 8))
 for i = 1, #values do
   if values[i] then
-    for k = 1, 5 do redis.call('ZREM', KEYS[k], ARGV[i]) end
+    for k = 1, 6 do redis.call('ZREM', KEYS[k], ARGV[i]) end
+    redis.call('HDEL', KEYS[7], ARGV[i])
   end
 end
 return values
 """
 
-# KEYS: model (deadline), model arrivals; ARGV: now. The oldest unanswered arrival of a model, after purging.
+# KEYS: leases; ARGV: 1 this instance, 2 lease (s), 3 key prefix of the sets. Renews this process's lease and
+# releases everything admitted by processes whose lease lapsed. Returns how many items it released.
+_RENEW = _NOW + """
+redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+local prefix = ARGV[3]
+local released = 0
+for _, instance in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
+  local owner = prefix .. ':owner:' .. instance
+  local entries = redis.call('HGETALL', owner)
+  for i = 1, #entries, 2 do
+    local id, entry = entries[i], entries[i + 1]
+    local tenant, model, class = string.match(entry, '^(.-)\t(.-)\t(.-)$')
+    local m = prefix .. ':m:' .. model
+    redis.call('ZREM', prefix, id)
+    redis.call('ZREM', prefix .. ':arrivals', id)
+    redis.call('ZREM', prefix .. ':offline', id)
+    redis.call('ZREM', prefix .. ':t:' .. tenant, id)
+    redis.call('ZREM', m, id)
+    redis.call('ZREM', m .. ':offline', id)
+    redis.call('ZREM', m .. ':arrivals', id)
+    released = released + 1
+  end
+  redis.call('DEL', owner)
+  redis.call('ZREM', KEYS[1], instance)
+end
+return released
+"""
+
+# KEYS: model (deadline), model arrivals. The oldest unanswered arrival of a model, after purging.
 _OLDEST = _PURGE + """
-purge(KEYS[1], KEYS[2], ARGV[1])
+purge(KEYS[1], KEYS[2])
 local oldest = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
 if #oldest == 0 then return false end
 return oldest[2]
@@ -130,14 +187,25 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, client: redis.Redis, key: str, cap: int, quarantine_key: str) -> None:
+    """The admission sets of one namespace. ``instance`` names the API process admitting through it (its
+    lease and owner hash); readers (CLI, metrics) leave it empty."""
+
+    def __init__(self, client: redis.Redis, key: str, cap: int, quarantine_key: str, *, offline_cap: int = 0,
+                 instance: str = "", lease_s: float = 5.0) -> None:
         self.client = client
         self.key = key
         self.arrivals_key = key + ":arrivals"
+        self.offline_key = key + ":offline"
+        self.leases_key = key + ":instances"
         self.quarantine_key = quarantine_key
         self.cap = cap
+        self.offline_cap = offline_cap or cap
+        self.instance = instance
+        self.owner_key = f"{key}:owner:{instance}"
+        self.lease_s = lease_s
         self._admit = client.register_script(_ADMIT)
         self._collect = client.register_script(_COLLECT)
+        self._renew = client.register_script(_RENEW)
         self._oldest = client.register_script(_OLDEST)
 
     def tenant_key(self, tenant: str) -> str:
@@ -147,22 +215,29 @@ class Admission:
         return f"{self.key}:m:{model}"
 
     def _sets(self, ticket: Ticket) -> list[str]:
-        """The five sets an admitted item is in (for an offline one, its arrival set is not one of them; removing
-        from it is a no-op that keeps the scripts' key count fixed)."""
+        """The six sets an admitted item may be in (removing it from one it is not in is a no-op that keeps the
+        scripts' key count fixed)."""
         model = self.model_key(ticket.model)
-        deadline_set = model + ":offline" if ticket.priority == "offline" else model
-        return [self.key, self.arrivals_key, self.tenant_key(ticket.tenant), deadline_set, model + ":arrivals"]
+        offline = ticket.priority == "offline"
+        deadline_set = model + ":offline" if offline else model
+        return [self.key, self.arrivals_key, self.offline_key, self.tenant_key(ticket.tenant), deadline_set,
+                model + ":arrivals"]
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
-                  deadline: float, model_cap: int | None = None, tenant_cap: int | None = None
+                  timeout_s: float, model_cap: int | None = None, tenant_cap: int | None = None
                   ) -> tuple[Verdict, str | None]:
-        """Admit all items or none. Returns the verdict and, when quarantined, the offending input hash."""
+        """Admit all items or none, each until Redis's clock passes now + ``timeout_s`` (``now``, this host's
+        clock, only names the arrival-rate bucket). Returns the verdict and, when quarantined, the offending
+        input hash."""
         model = self.model_key(ticket.model)
         keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
-                model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline"]
-        raw = self._admit(keys=keys, args=[now, self.cap, self.cap if model_cap is None else model_cap,
-                                           self.cap if tenant_cap is None else tenant_cap, deadline, len(item_ids),
-                                           ticket.priority, *item_ids, *hashes])
+                model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline", self.offline_key,
+                self.owner_key, self.leases_key]
+        entry = SEP.join((ticket.tenant, ticket.model, ticket.priority))
+        raw = self._admit(keys=keys, args=[self.cap, self.cap if model_cap is None else model_cap,
+                                           self.cap if tenant_cap is None else tenant_cap, timeout_s,
+                                           len(item_ids), ticket.priority, self.offline_cap, entry, self.instance,
+                                           self.lease_s, *item_ids, *hashes])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         if text.startswith("quarantined:"):
             return Verdict.QUARANTINED, text.split(":", 1)[1]
@@ -170,14 +245,20 @@ class Admission:
 
     def collect(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
         """Read these items' result keys; items that have a result stop counting against the caps."""
-        return list(self._collect(keys=[*self._sets(ticket), *result_keys], args=list(item_ids)))
+        return list(self._collect(keys=[*self._sets(ticket), self.owner_key, *result_keys], args=list(item_ids)))
 
     def release(self, ticket: Ticket, item_ids: Sequence[str]) -> None:
         if item_ids:
             pipe = self.client.pipeline(transaction=False)
             for key in self._sets(ticket):
                 pipe.zrem(key, *item_ids)
+            pipe.hdel(self.owner_key, *item_ids)
             pipe.execute()
+
+    def renew(self) -> int:
+        """Renew this process's lease; release what processes whose lease lapsed had admitted (returns how many
+        items). Called every ``lease_s / 3`` by each API process."""
+        return int(self._renew(keys=[self.leases_key], args=[self.instance, self.lease_s, self.key]))
 
     def in_flight(self, now: float) -> int:
         return int(self.client.zcount(self.key, now, "+inf"))
@@ -197,7 +278,7 @@ class Admission:
         second = int(now)
         for model in models:
             base = self.model_key(model)
-            oldest = self._oldest(keys=[base, base + ":arrivals"], args=[now])
+            oldest = self._oldest(keys=[base, base + ":arrivals"])
             counts = self.client.mget([f"{base}:rate:{second - k}" for k in range(1, RATE_WINDOW_S + 1)])
             rate = sum(int(c or 0) for c in counts) / RATE_WINDOW_S
             out[model] = ModelLoad(oldest_age_s=max(0.0, now - float(oldest)) if oldest else 0.0, rate_per_s=rate)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from tasks.fairness import FairBuffer, Waiting
 from tasks.fleet import WorkerInfo
 from tasks.flush import FlushPolicy
-from tasks.isolation import Plan, plan
+from tasks.isolation import Plan, avoid, plan
 from tasks.scheduler import Scheduler
 from tasks.schema import Batch, BatchItem, Failure, InferenceRequest
 from tasks.wait import ArrivalRate, WaitPolicy
@@ -166,7 +166,7 @@ class Batcher:
         while retries or buffer.is_ready(now, self._wait_s(model, buffer, now)):
             if workers is None:
                 workers = self.live_workers()
-            choice = self.scheduler.choose(workers, model, now)
+            choice = self.scheduler.choose(workers, model, now, avoid=avoid(retries[0][0]) if retries else ())
             worker = choice.worker
             if worker is None:  # every worker is busy enough (or none is alive): keep accumulating
                 self.held[model] = None if choice.retry_in_s is None else now + choice.retry_in_s
@@ -227,11 +227,11 @@ class Batcher:
         return self.retry_held()
 
     # -- recovery ------------------------------------------------------------------------------------
-    def recover(self, batch: Batch, failure: Failure) -> Plan:
-        """Decide what to do with a batch that did not finish. The caller answers the plan's failed items,
-        then hands its batches to :meth:`requeue`."""
+    def recover(self, batch: Batch, failure: Failure, died_on: str = "") -> Plan:
+        """Decide what to do with a batch that did not finish (``died_on``: the worker it died on, if it died).
+        The caller answers the plan's failed items, then hands its batches to :meth:`requeue`."""
         self.in_flight.pop(batch.id, None)
-        decided = plan(batch, failure, now=self.wallclock(), max_retries=self.max_retries)
+        decided = plan(batch, failure, now=self.wallclock(), max_retries=self.max_retries, died_on=died_on)
         self.stats["recovered_batches"] += 1
         log.info("batch %s (%d items) came back (%s): %d batch(es) to send again, %d poison, %d exhausted",
                  batch.id, len(batch.items), failure, len(decided.batches), len(decided.poison),
@@ -249,13 +249,17 @@ class Batcher:
             self.held.pop(b.model, None)
         return self.poll()
 
-    def worker_lost(self, worker_id: str) -> list[Batch]:
-        """Forget a lost worker; returns the batches this batcher had sent it and not heard finish."""
-        lost = [b for wid, b, _ in self.in_flight.values() if wid == worker_id]
-        for b in lost:
-            del self.in_flight[b.id]
+    def held_by(self, worker_id: str) -> list[Batch]:
+        """The batches this batcher sent ``worker_id`` and has not heard finish."""
+        return [b for wid, b, _ in self.in_flight.values() if wid == worker_id]
+
+    def forget_in_flight(self, batch_id: str) -> None:
+        """A lost worker's batch is in the recovery queue now: it is no longer this worker's."""
+        self.in_flight.pop(batch_id, None)
+
+    def worker_lost(self, worker_id: str) -> None:
+        """Forget what the scheduler knew of a lost worker (its batches were taken back first)."""
         self.scheduler.forget_worker(worker_id)
-        return lost
 
     def forget_stale_in_flight(self, older_than_s: float) -> None:
         """Drop in-flight records whose finish was never heard (a lost announcement), to bound memory."""
@@ -270,7 +274,7 @@ class Batcher:
         return self.poll()
 
     def _new_buffer(self) -> FairBuffer[_Entry]:
-        return FairBuffer(self.policy, quantum=self.quantum, offline_wait_s=self.offline_wait_s)
+        return FairBuffer(self.policy, quantum=self.quantum, offline_wait_s=self.offline_wait_s, size_of=_size)
 
     def _wait_s(self, model: str, buffer: FairBuffer[_Entry], now: float) -> float:
         """How long this model's oldest interactive item may wait (see :mod:`tasks.wait`)."""
@@ -302,3 +306,14 @@ class Batcher:
             id=uuid.uuid4().hex, model=model, created_at=self.wallclock(),
             items=tuple(p.item.item for p in pending),
         )
+
+
+ITEM_OVERHEAD_BYTES = 400  # ids, deadline, reply channel and parameters of one item in a batch message
+
+
+def _size(entry: _Entry) -> int:
+    """An item's share of its batch message, in bytes, without encoding it: JSON writes each non-ASCII
+    character as a 6-byte escape (12 for characters beyond the BMP, so this can undercount those by half;
+    the batch limit leaves RabbitMQ's own 128 MiB limit far away)."""
+    text = entry.item.input
+    return ITEM_OVERHEAD_BYTES + (len(text) if text.isascii() else 6 * len(text))

@@ -5,9 +5,13 @@ Batches are Celery tasks (``RUN_BATCH``), so Flower shows every GPU worker and e
 """
 from __future__ import annotations
 
+import json
+import logging
+
 from celery import Celery
 
 from tasks.config import Settings
+from tasks.schema import Batch
 
 RUN_BATCH = "llmb.run_batch"
 
@@ -35,9 +39,20 @@ def make_celery(settings: Settings) -> Celery:
         task_send_sent_event=True,
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
-        worker_cancel_long_running_tasks_on_connection_loss=True,
+        # On a lost broker connection keep running the batch (a thread cannot be cancelled anyway): its message
+        # comes back, and the claim tells this run the redelivery is its own (tasks.claims "mine").
+        worker_cancel_long_running_tasks_on_connection_loss=False,
     )
     return app
+
+
+def batch_of_task(body: bytes | str) -> Batch | None:
+    """The batch inside a ``RUN_BATCH`` task message (protocol 2: [args, kwargs, embed]); None if it is not one."""
+    try:
+        return Batch.from_dict(json.loads(body)[0][0])
+    except (ValueError, KeyError, IndexError, TypeError):
+        logging.getLogger("llmb").error("a message in a batch queue is not a batch task; dropping it")
+        return None
 
 
 def settings_of(app: Celery) -> Settings:

@@ -28,7 +28,7 @@ from tasks.config import Settings
 from tasks.errors import BatchingError
 from tasks.fleet import Fleet
 from tasks.gateway import Call, Gateway
-from tasks.ledger import BatchRecord, BatchRequest, Ledger, Released, RequestRecord, make_engine
+from tasks.ledger import BatchRecord, BatchRequest, Ledger, RequestRecord, make_engine
 from tasks.quarantine import Quarantine
 from tasks.queues import RequestPublisher
 from tasks.tenants import KeyInfo, KeyStore, Priority, TenantPolicy
@@ -278,15 +278,46 @@ def quarantine() -> None:
     """Inputs that failed alone and are refused until released."""
 
 
+def _shown(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # not a URL at all: the error about it says so
+        return url
+
+
 @quarantine.command("list")
 @click.option("--json", "as_json", is_flag=True)
 @pass_admin
 def quarantine_list(admin: Admin, as_json: bool) -> None:
-    """Every quarantined input: hash, model, when, why."""
+    """Every quarantined input: hash, model, when, why.
+
+    Read from the ledger (the durable record) and from Redis (what the door enforces), so that the list is
+    whole when either is away or Redis has restarted and lost its copy; ``enforced`` says which are refused
+    right now.
+    """
+    s = admin.settings
+    q = Quarantine(admin.redis, s.key("quarantine"))
+    problems: list[str] = []
+    durable: list[dict[str, Any]] = []
+    live: list[dict[str, Any]] = []
+    enforced: set[str] | None = None
     try:
-        entries = Quarantine(admin.redis, admin.settings.key("quarantine")).list()
+        durable = Ledger(make_engine(s.database_url)).quarantined()
+    except SQLAlchemyError as exc:
+        problems.append(f"cannot read the ledger at {_shown(s.database_url)}: {_first_line(exc)}")
+    try:
+        live, enforced = q.list(), q.members()
     except redis.RedisError as exc:
-        fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
+        problems.append(f"cannot reach Redis at {s.redis_url}: {exc}")
+    if len(problems) == 2:
+        fail("; ".join(problems))
+    for problem in problems:
+        click.echo(f"warning: {problem}; listing what the other one holds", err=True)
+    merged: dict[str, dict[str, Any]] = {}
+    for e in [*durable, *live]:  # Redis's details win: they are what is enforced
+        merged[e["hash"]] = {**merged.get(e["hash"], {}), **e}
+    entries = sorted(({**e, "enforced": None if enforced is None else e["hash"] in enforced}
+                      for e in merged.values()), key=lambda e: e["since"])
     if as_json:
         click.echo(json.dumps(entries, indent=2))
         return
@@ -294,7 +325,9 @@ def quarantine_list(admin: Admin, as_json: bool) -> None:
         click.echo("no input is quarantined")
     for e in entries:
         since = datetime.fromtimestamp(e["since"], tz=timezone.utc).isoformat(timespec="seconds")
-        click.echo(f"{e['hash']}  {e['model']}  {since}  batch {e['batch_id']}  request {e['request_id']}\n"
+        note = ("" if e["enforced"] is not False else
+                "  NOT ENFORCED: Redis lost it (a batcher restores it from the ledger within a second)")
+        click.echo(f"{e['hash']}  {e['model']}  {since}  batch {e['batch_id']}  request {e['request_id']}{note}\n"
                    f"    {e['reason']}")
 
 
@@ -302,17 +335,29 @@ def quarantine_list(admin: Admin, as_json: bool) -> None:
 @click.argument("digest")
 @pass_admin
 def quarantine_release(admin: Admin, digest: str) -> None:
-    """Accept this input again."""
+    """Accept this input again.
+
+    The ledger is marked first, so that a batcher restoring the quarantine into a restarted Redis cannot
+    bring the input back; then Redis stops refusing it.
+    """
+    s = admin.settings
+    in_ledger: bool | None = None
     try:
-        released = Quarantine(admin.redis, admin.settings.key("quarantine")).release(digest)
+        in_ledger = Ledger(make_engine(s.database_url)).release(digest)
+    except SQLAlchemyError as exc:
+        click.echo(f"warning: cannot record the release in the ledger at {_shown(s.database_url)} "
+                   f"({_first_line(exc)}): the input is accepted again now, but a restarted Redis would refuse "
+                   "it again; run this command once more when the database is reachable", err=True)
+    try:
+        in_redis = Quarantine(admin.redis, s.key("quarantine")).release(digest)
     except redis.RedisError as exc:
-        fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
-    if not released:
+        recorded = " (the ledger records it as released; run this again to release it in Redis)" if in_ledger else ""
+        fail(f"cannot reach Redis at {s.redis_url}: {exc}{recorded}")
+    if not in_redis and in_ledger is None:
+        fail(f"{digest} is not quarantined in Redis, and the ledger, which may still hold it, cannot be reached: "
+             "run this again when the database is reachable")
+    if not in_redis and not in_ledger:
         fail(f"{digest} is not quarantined (see `llmb-admin quarantine list`)")
-    try:
-        Ledger(make_engine(admin.settings.database_url)).write(Released(digest))
-    except Exception as exc:  # the release itself took effect; the record is secondary
-        click.echo(f"warning: released, but the ledger could not record it: {exc}", err=True)
     click.echo(f"released {digest}")
 
 

@@ -31,6 +31,7 @@ class Settings:
     cb_max_batch_tokens: int = 512
 
     max_batch_size: int = 100
+    max_batch_bytes: int = 16_777_216
     max_wait_ms: float = 20.0
     wait_mode: str = "adaptive"
     min_wait_ms: float = 1.0
@@ -48,8 +49,11 @@ class Settings:
     scale_headroom: float = 1.25
 
     admission_cap: int = 10000
+    offline_admission_cap: int = 10000
+    api_lease_s: float = 5.0
     max_inputs_per_call: int = 100
     max_body_bytes: int = 1_048_576
+    body_timeout_s: float = 10.0
     default_timeout_ms: int = 30_000
     max_timeout_ms: int = 300_000
     retry_after_s: int = 1
@@ -57,11 +61,12 @@ class Settings:
     result_recheck_ms: float = 3000.0
     redis_pool_size: int = 50
     broker_pool_size: int = 10
+    publish_timeout_s: float = 5.0
     persistent_requests: bool = True
 
     web_bind: str = "127.0.0.1:8000"
     web_workers: int = 2
-    web_connections: int = 2000
+    web_connections: int = 0
 
     heartbeat_interval_s: float = 1.0
     heartbeat_stale_factor: float = 3.0
@@ -145,6 +150,7 @@ DOCS: dict[str, str] = {
     "cb_max_batch_tokens": "Continuous mode: most tokens in one forward pass (prefill included).",
     "device_price_per_hour": "What one device costs per hour (any currency): `llmb-admin stats` turns it into a cost per million tokens.",
     "max_batch_size": "A batch is flushed as soon as it holds this many items.",
+    "max_batch_bytes": "...or as soon as its inputs add up to this many bytes (a batch must fit in one RabbitMQ message).",
     "max_wait_ms": "...or when its first item has waited this long.",
     "wait_mode": "'adaptive' (the wait shrinks to min_wait_ms when batches fill on their own or no device is free, and stretches up to adaptive_max_wait_ms when a full batch is that close) or 'fixed' (always max_wait_ms).",
     "min_wait_ms": "Adaptive mode: the shortest wait (coalesces requests that arrive together).",
@@ -159,9 +165,12 @@ DOCS: dict[str, str] = {
     "fair_quantum": "Items a tenant of weight 1 may put in a batch per round of weighted deficit round robin.",
     "offline_max_timeout_ms": "Largest timeout_ms an offline request may ask for.",
     "scale_headroom": "Recommended workers = arrival rate x batch time / batch size x this.",
-    "admission_cap": "Most items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.",
+    "offline_admission_cap": "Most offline items admitted and not yet answered, across all API processes (offline items do not count against LLMB_ADMISSION_CAP, so an offline backlog never closes the door to interactive callers).",
+    "api_lease_s": "Each API process holds a lease in Redis for this long, renewed three times as often; when it lapses (the process died) the capacity its callers held is released within seconds instead of at their deadlines.",
+    "admission_cap": "Most interactive items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.",
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
+    "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",
     "max_timeout_ms": "Largest timeout_ms a caller may ask for.",
     "retry_after_s": "Retry-After sent with 429.",
@@ -169,10 +178,11 @@ DOCS: dict[str, str] = {
     "result_recheck_ms": "A waiting request re-reads its keys this often even without a wake-up (a safety net: wake-ups lost to a Redis reconnect are re-read at once).",
     "redis_pool_size": "Redis connections per API process (shared by all waiting requests).",
     "broker_pool_size": "RabbitMQ connections per API process used for publishing.",
+    "publish_timeout_s": "Longest wait for RabbitMQ to confirm a request (never past the caller's deadline); beyond it the caller gets 503 (e.g. during a broker memory or disk alarm).",
     "persistent_requests": "Write request messages to disk in RabbitMQ, so they outlive a broker restart; false saves ~0.25 ms of broker CPU per request.",
     "web_bind": "Address gunicorn listens on.",
     "web_workers": "gunicorn worker processes (each holds many waiting requests on gevent).",
-    "web_connections": "Simultaneous connections per gunicorn worker process.",
+    "web_connections": "Simultaneous connections per gunicorn worker process; 0 (default): enough for the admission caps (interactive + offline) spread over the worker processes, plus room to refuse the excess fast.",
     "max_retries": "Times a request is sent again after its worker was lost before running it; then it fails (503).",
     "store_inputs": "Keep each input's text in the ledger (needed by `llmb-admin replay` and `requeue`).",
     "ledger_buffer": "Ledger records a process keeps while the database is unreachable; beyond that they are dropped and counted.",

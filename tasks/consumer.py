@@ -28,7 +28,7 @@ from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
 from tasks.flush import FlushPolicy
 from tasks.ledger import ItemsOutcome, Ledger, LedgerWriter, make_engine
 from tasks.logs import setup_logging
-from tasks.quarantine import Quarantine
+from tasks.quarantine import Quarantine, QuarantineSync
 from tasks.queues import RETRY_POLICY, recovery_queue, request_queue
 from tasks.recovery import Recovery
 from tasks.results import ResultWriter
@@ -50,15 +50,17 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.fleet = Fleet(client, s.key("fleet"), s.heartbeat_stale_s)
         self.ledger = LedgerWriter(Ledger(make_engine(s.database_url), s.store_inputs), max_buffer=s.ledger_buffer,
                                    on_drop=lambda n: client.incrby(s.key("stats", "ledger_dropped"), n))
-        self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000), self._dispatch,
+        self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000, s.max_batch_bytes), self._dispatch,
                                self._live_workers, max_outstanding=s.max_outstanding_batches,
                                lead_s=s.dispatch_lead_ms / 1000, max_retries=s.max_retries,
                                wait=WaitPolicy(s.wait_mode, s.max_wait_ms / 1000, s.min_wait_ms / 1000,
                                                s.adaptive_max_wait_ms / 1000),
                                quantum=s.fair_quantum, offline_wait_s=s.offline_max_wait_ms / 1000,
                                on_dropped=self._on_dropped)
+        quarantine = Quarantine(client, s.key("quarantine"))
+        self.quarantine_sync = QuarantineSync(quarantine, self.ledger.ledger)  # the ledger is the durable copy
         self.recovery = Recovery(
-            self.batcher, self.fleet, Claims(client, s.key("claim")), Quarantine(client, s.key("quarantine")),
+            self.batcher, self.fleet, Claims(client, s.key("claim")), quarantine,
             ResultWriter(client, lambda item_id: s.key("result", item_id), s.result_ttl_s), self.ledger.record,
             lambda: self.app.pool.acquire(block=True, timeout=10), s.recovery_queue,
             on_poison=lambda: client.incr(s.key("stats", "poison_inputs")))
@@ -140,7 +142,9 @@ class BatchingStep(bootsteps.ConsumerStep):
         self._arm(self.batcher.poll())
 
     def _on_tick(self) -> None:
-        """Periodic: take back lost workers' batches, refresh the fleet, retry held batches."""
+        """Periodic: take back lost workers' batches, restore a quarantine Redis lost, refresh the fleet, retry
+        held batches."""
+        self.quarantine_sync.tick()
         try:
             self.recovery.check(time.time())
         except Exception as exc:  # Redis or the broker is away: try again at the next tick

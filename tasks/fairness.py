@@ -19,7 +19,7 @@ queue. The fair choice then needs no dynamic queues, no per-tenant consumers and
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
@@ -81,22 +81,31 @@ class DeficitRoundRobin(Generic[T]):
     def oldest_arrival(self) -> float | None:
         return min((f.queue[0].arrived for f in self._flows.values()), default=None)
 
-    def take(self, n: int) -> list[Waiting[T]]:
-        """Remove and return up to ``n`` items chosen by weighted DRR.
+    def take(self, n: int, room: Callable[[Waiting[T]], bool] | None = None) -> list[Waiting[T]]:
+        """Remove and return up to ``n`` items chosen by weighted DRR; stop early at the first item for which
+        ``room`` says there is no room left (the batch is full by size in bytes).
 
         A tenant whose visit is cut short by a full batch stays at the head of the ring with the rest of its
         deficit, so the next batch resumes exactly where this one stopped: fairness holds across batches.
         """
         out: list[Waiting[T]] = []
+        full = False
         while len(out) < n and self._ring:
             name = self._ring[0]
             flow = self._flows[name]
             if flow.deficit < 1:
                 flow.deficit += self.quantum * flow.weight
             k = min(int(flow.deficit), n - len(out), len(flow.queue))
-            for _ in range(k):
+            taken = 0
+            while taken < k:
+                if room is not None and not room(flow.queue[0]):
+                    full = True
+                    break
                 out.append(flow.queue.popleft())
-            flow.deficit -= k
+                taken += 1
+            flow.deficit -= taken
+            if full:
+                break
             if not flow.queue:
                 self._ring.popleft()
                 del self._flows[name]
@@ -133,9 +142,12 @@ class DeficitRoundRobin(Generic[T]):
 class FairBuffer(Generic[T]):
     """A model's waiting items: flush decision plus fair, priority-ordered batch formation."""
 
-    def __init__(self, policy: FlushPolicy, *, quantum: int = 10, offline_wait_s: float = 0.5) -> None:
+    def __init__(self, policy: FlushPolicy, *, quantum: int = 10, offline_wait_s: float = 0.5,
+                 size_of: Callable[[T], int] = lambda item: 0) -> None:
         self.policy = policy
         self.offline_wait_s = offline_wait_s
+        self.size_of = size_of  # an item's size in a batch message, bytes (for policy.max_batch_bytes)
+        self.bytes = 0
         self.classes: dict[str, DeficitRoundRobin[T]] = {p: DeficitRoundRobin(quantum) for p in PRIORITIES}
         self._min_deadline = float("inf")  # a lower bound: makes drop_expired O(1) when nothing expired
 
@@ -151,6 +163,7 @@ class FairBuffer(Generic[T]):
         cls = priority if priority in self.classes else INTERACTIVE
         self.classes[cls].add(Waiting(item, now, deadline, tenant, cls), weight)
         self._min_deadline = min(self._min_deadline, deadline)
+        self.bytes += self.size_of(item)
 
     def drop_expired(self, now: float) -> list[T]:
         """Remove and return every item whose deadline is at or before ``now``."""
@@ -158,13 +171,14 @@ class FairBuffer(Generic[T]):
             return []
         gone = [w.item for c in self.classes.values() for w in c.remove_if(now)]
         self._min_deadline = min((w.deadline for w in self), default=float("inf"))
+        self.bytes -= sum(self.size_of(item) for item in gone)
         return gone
 
     def ready_at(self, wait_s: float | None = None) -> float | None:
         """When a batch becomes due on its own: the oldest interactive item's arrival plus ``wait_s``
         (default: the policy's fixed wait), or the oldest offline item's plus the offline wait; None if empty.
         A full batch is due at once (``-inf``)."""
-        if len(self) >= self.policy.max_batch_size:
+        if len(self) >= self.policy.max_batch_size or 0 < self.policy.max_batch_bytes <= self.bytes:
             return float("-inf")
         wait = self.policy.max_wait_s if wait_s is None else wait_s
         times = []
@@ -183,17 +197,30 @@ class FairBuffer(Generic[T]):
         return None if at is None else max(0.0, at - now)
 
     def take(self) -> list[Waiting[T]]:
-        """The next batch: interactive items by DRR, then offline items by DRR in the space left."""
-        n = self.policy.max_batch_size
-        out = self.classes[INTERACTIVE].take(n)
-        if len(out) < n:
-            out += self.classes[OFFLINE].take(n - len(out))
+        """The next batch: interactive items by DRR, then offline items by DRR in the space left, up to
+        ``max_batch_size`` items and ``max_batch_bytes`` (a batch holds at least one item, whatever its size)."""
+        n, limit = self.policy.max_batch_size, self.policy.max_batch_bytes
+        used = 0
+
+        def room(w: Waiting[T]) -> bool:
+            nonlocal used
+            size = self.size_of(w.item)
+            if limit and used and used + size > limit:
+                return False
+            used += size
+            return True
+
+        out = self.classes[INTERACTIVE].take(n, room)
+        if len(out) < n and (not limit or used < limit):
+            out += self.classes[OFFLINE].take(n - len(out), room)
+        self.bytes -= used
         return out
 
     def put_back(self, taken: list[Waiting[T]]) -> None:
         for p in PRIORITIES:
             self.classes[p].put_back([w for w in taken if w.priority == p])
         self._min_deadline = min([self._min_deadline, *(w.deadline for w in taken)])
+        self.bytes += sum(self.size_of(w.item) for w in taken)
 
     def oldest_interactive(self) -> float | None:
         return self.classes[INTERACTIVE].oldest_arrival()
@@ -203,4 +230,5 @@ class FairBuffer(Generic[T]):
         for p in PRIORITIES:
             self.classes[p] = DeficitRoundRobin(self.classes[p].quantum)
         self._min_deadline = float("inf")
+        self.bytes = 0
         return items

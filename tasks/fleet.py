@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 import redis
 from kombu import Exchange
 
+DRAINING = "draining"
+
 
 @dataclass(frozen=True)
 class WorkerInfo:
@@ -20,7 +22,7 @@ class WorkerInfo:
     queue: str  # the worker's own batch queue
     model: str
     max_batch: int
-    state: str  # "idle" or "busy"
+    state: str  # "idle", "busy" or DRAINING (stopping: finishing its batch, taking no more)
     outstanding: int  # batches received and not finished, the running one included
     completed: int  # batches finished since the worker started
     batch_started_at: float | None  # when the running batch started, if busy
@@ -66,7 +68,8 @@ class Fleet:
         return workers
 
     def live(self, now: float) -> list[WorkerInfo]:
-        return [w for w in self.all() if now - w.heartbeat_at <= self.stale_after_s]
+        """Workers that may be given work: heartbeat fresh, and not stopping."""
+        return [w for w in self.all() if now - w.heartbeat_at <= self.stale_after_s and w.state != DRAINING]
 
 
 def fleet_exchange(namespace: str) -> Exchange:

@@ -20,6 +20,7 @@ T = TypeVar("T")
 class FlushPolicy:
     max_batch_size: int = 100
     max_wait_s: float = 0.020
+    max_batch_bytes: int = 0  # a batch also ends when its inputs reach this many bytes (0: no limit)
 
     def __post_init__(self) -> None:
         if self.max_batch_size < 1:

@@ -6,6 +6,7 @@ replay, a benchmark) can use the same path.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Sequence
@@ -30,7 +31,7 @@ from tasks.errors import (
     Unavailable,
 )
 from tasks.fleet import Fleet, WorkerInfo
-from tasks.queues import RequestPublisher
+from tasks.queues import PublishTimeout, RequestPublisher
 from tasks.results import ResultListener
 from tasks.schema import InferenceRequest, Item, ItemResult, input_hash
 
@@ -82,7 +83,9 @@ class Gateway:
         self.publisher = publisher
         self.reply_to = settings.key("replies", instance_id)
         self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
-                                   settings.key("quarantine"))
+                                   settings.key("quarantine"), offline_cap=settings.offline_admission_cap,
+                                   instance=instance_id, lease_s=settings.api_lease_s)
+        self._lease_started = False
         self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
         def result_key(item_id: str) -> str:
             return settings.key("result", item_id)
@@ -183,8 +186,9 @@ class Gateway:
         hashes = [input_hash(call.model, text) for text in call.inputs]
         ticket = Ticket(call.tenant, call.model, call.priority)
         try:
+            self._keep_lease()
             verdict, bad_hash = self.admission.try_admit(
-                ids, hashes, ticket=ticket, now=accepted_at, deadline=request.deadline,
+                ids, hashes, ticket=ticket, now=accepted_at, timeout_s=call.timeout_ms / 1000,
                 model_cap=self.cap_for(call.model, call.timeout_ms / 1000), tenant_cap=call.tenant_cap)
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
@@ -209,13 +213,34 @@ class Gateway:
                 raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
             self.listener.start()
             try:
-                self.publisher.publish(request)
+                budget = min(self.settings.publish_timeout_s, max(0.0, deadline - time.monotonic()))
+                self.publisher.publish(request, budget)
+            except PublishTimeout as exc:
+                raise Unavailable(f"{exc} (is it blocked by a memory or disk alarm?); retry later") from None
             except BROKER_ERRORS as exc:
                 raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
         except BaseException:
             self._release(ticket, ids)
             raise
         return ids, deadline, accepted_at
+
+    def _keep_lease(self) -> None:
+        """Start renewing this process's admission lease (once, lazily: after gunicorn forked it)."""
+        if self._lease_started:
+            return
+        self._lease_started = True
+
+        def renew_forever() -> None:
+            while True:
+                try:
+                    released = self.admission.renew()
+                    if released:
+                        log.warning("released %d items admitted by API processes that died", released)
+                except redis.RedisError as exc:
+                    log.debug("could not renew the admission lease: %s", exc)
+                time.sleep(self.settings.api_lease_s / 3)
+
+        threading.Thread(target=renew_forever, name="admission-lease", daemon=True).start()
 
     def _release(self, ticket: Ticket, item_ids: list[str]) -> None:
         try:

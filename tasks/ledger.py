@@ -1,15 +1,21 @@
 """The outcome ledger: what every batch did, which requests it carried, and which inputs are quarantined.
 
 SQLAlchemy 2.x models (schema managed by Alembic in ``migrations/``) and a writer that keeps the database
-off the hot path: processes hand it one event per batch, and a background thread writes each event in one
-transaction. When the database is down, events wait in a bounded buffer and are retried; beyond the bound
+off the hot path: processes hand it one event per batch, and a background thread writes what has queued up in
+one transaction. When the database is down, events wait in a bounded buffer and are retried; beyond the bound
 they are dropped, counted and logged. Serving never waits for the database.
+
+One record the database refuses must not stop the rest. Text is made storable on the way in (every string
+column is a :class:`StorableString` / :class:`StorableText`), and when a write still fails because of what it
+holds (:func:`refused_by_database`), the writer writes those events again one at a time, and a refused event
+row by row, dropping (logging and counting) only the rows the database will not take.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -20,21 +26,26 @@ from typing import Any
 
 from sqlalchemy import (
     DateTime,
+    Dialect,
     Float,
     ForeignKey,
     Integer,
     String,
     Table,
     Text,
+    bindparam,
     case,
     create_engine,
     event,
     literal_column,
     or_,
+    select,
+    update,
 )
 from sqlalchemy.engine import Engine, make_url
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
+from sqlalchemy.types import TypeDecorator
 
 from tasks.schema import Batch, BatchItem, input_hash
 
@@ -42,6 +53,32 @@ log = logging.getLogger("llmb.ledger")
 
 
 FINAL_STATUSES = ("ok", "poison", "expired", "exhausted", "rejected")
+
+
+_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
+
+
+def storable(text: str) -> str:
+    """``text`` as every supported database stores it: NUL (PostgreSQL refuses it in text columns) and lone
+    surrogates (which have no UTF-8 encoding, so no driver can send them) become U+FFFD."""
+    return _UNSTORABLE.sub("\ufffd", text)
+
+
+class StorableString(TypeDecorator[str]):
+    """``String(n)`` whose values are passed through :func:`storable`: the one place text is made storable."""
+
+    impl = String
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
+        return storable(value) if isinstance(value, str) else value
+
+
+class StorableText(StorableString):
+    """``Text``, made storable the same way."""
+
+    impl = Text
+    cache_ok = True
 
 
 class Base(DeclarativeBase):
@@ -52,15 +89,16 @@ class RequestRecord(Base):
     """One input (batch item) and its final outcome."""
 
     __tablename__ = "requests"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # item id
-    correlation_id: Mapped[str] = mapped_column(String(128), index=True)
-    tenant: Mapped[str] = mapped_column(String(64), index=True)
-    model: Mapped[str] = mapped_column(String(128), index=True)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # ok, retrying, poison, expired, exhausted, rejected
-    input_hash: Mapped[str] = mapped_column(String(32), index=True)
-    input: Mapped[str | None] = mapped_column(Text)  # only with LLMB_STORE_INPUTS
-    error: Mapped[str | None] = mapped_column(Text)
-    batch_id: Mapped[str | None] = mapped_column(String(64))  # the last batch that carried it
+    id: Mapped[str] = mapped_column(StorableString(64), primary_key=True)  # item id
+    correlation_id: Mapped[str] = mapped_column(StorableString(128), index=True)
+    tenant: Mapped[str] = mapped_column(StorableString(64), index=True)
+    model: Mapped[str] = mapped_column(StorableString(128), index=True)
+    # ok, retrying, poison, expired, exhausted, rejected
+    status: Mapped[str] = mapped_column(StorableString(16), index=True)
+    input_hash: Mapped[str] = mapped_column(StorableString(32), index=True)
+    input: Mapped[str | None] = mapped_column(StorableText)  # only with LLMB_STORE_INPUTS
+    error: Mapped[str | None] = mapped_column(StorableText)
+    batch_id: Mapped[str | None] = mapped_column(StorableString(64))  # the last batch that carried it
     accepted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     queued_ms: Mapped[float | None] = mapped_column(Float)
@@ -71,14 +109,14 @@ class BatchRecord(Base):
     """One batch as run (or failed) on one worker; splits point to their parent."""
 
     __tablename__ = "batches"
-    id: Mapped[str] = mapped_column(String(64), primary_key=True)
-    parent_id: Mapped[str | None] = mapped_column(String(64), index=True)
-    model: Mapped[str] = mapped_column(String(128))
-    worker: Mapped[str | None] = mapped_column(String(255), index=True)
+    id: Mapped[str] = mapped_column(StorableString(64), primary_key=True)
+    parent_id: Mapped[str | None] = mapped_column(StorableString(64), index=True)
+    model: Mapped[str] = mapped_column(StorableString(128))
+    worker: Mapped[str | None] = mapped_column(StorableString(255), index=True)
     size: Mapped[int] = mapped_column(Integer)
     attempt: Mapped[int] = mapped_column(Integer, default=0)
-    status: Mapped[str] = mapped_column(String(16), index=True)  # ok, raised, died, reassigned
-    error: Mapped[str | None] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(StorableString(16), index=True)  # ok, raised, died, reassigned
+    error: Mapped[str | None] = mapped_column(StorableText)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
@@ -89,21 +127,21 @@ class BatchRequest(Base):
     """Which requests a batch carried."""
 
     __tablename__ = "batch_requests"
-    batch_id: Mapped[str] = mapped_column(String(64), ForeignKey("batches.id", ondelete="CASCADE"),
+    batch_id: Mapped[str] = mapped_column(StorableString(64), ForeignKey("batches.id", ondelete="CASCADE"),
                                           primary_key=True)
-    request_id: Mapped[str] = mapped_column(String(64), primary_key=True, index=True)
+    request_id: Mapped[str] = mapped_column(StorableString(64), primary_key=True, index=True)
 
 
 class QuarantineRecord(Base):
     """An input that failed alone; refused at the door until released."""
 
     __tablename__ = "quarantined_inputs"
-    input_hash: Mapped[str] = mapped_column(String(32), primary_key=True)
-    model: Mapped[str] = mapped_column(String(128))
-    reason: Mapped[str] = mapped_column(Text)
-    batch_id: Mapped[str] = mapped_column(String(64))
-    request_id: Mapped[str] = mapped_column(String(64))
-    input: Mapped[str | None] = mapped_column(Text)
+    input_hash: Mapped[str] = mapped_column(StorableString(32), primary_key=True)
+    model: Mapped[str] = mapped_column(StorableString(128))
+    reason: Mapped[str] = mapped_column(StorableText)
+    batch_id: Mapped[str] = mapped_column(StorableString(64))
+    request_id: Mapped[str] = mapped_column(StorableString(64))
+    input: Mapped[str | None] = mapped_column(StorableText)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -174,6 +212,16 @@ def make_engine(url: str) -> Engine:
     return create_engine(url, pool_pre_ping=True)
 
 
+@dataclass(frozen=True)
+class _Write:
+    """One statement and the rows it runs for: run whole (one executemany) or, to isolate a refusal, row by row."""
+
+    table: str
+    statement: Any
+    rows: list[dict[str, Any]]
+    key: tuple[str, ...]
+
+
 class Ledger:
     """Writes ledger events, each in one transaction; usable directly (CLI, tests) or via LedgerWriter."""
 
@@ -182,37 +230,87 @@ class Ledger:
         self.store_inputs = store_inputs
 
     def write(self, ev: LedgerEvent) -> None:
-        with Session(self.engine) as session, session.begin():
-            if isinstance(ev, BatchOutcome):
-                self._batch(session, ev)
-            elif isinstance(ev, ItemsOutcome):
-                self._upsert_requests(session, ev.model, ev.items, ev.status, ev.error, ev.batch_id)
-            elif isinstance(ev, Quarantined):
-                self._upsert(session, QuarantineRecord, [{
-                    "input_hash": ev.digest, "model": ev.model, "reason": ev.reason, "batch_id": ev.batch_id,
-                    "request_id": ev.item.id, "input": ev.item.input if self.store_inputs else None,
-                    "created_at": datetime.now(timezone.utc), "released_at": None}], "input_hash")
-            elif isinstance(ev, Released):
-                record = session.get(QuarantineRecord, ev.digest)
-                if record is not None:
-                    record.released_at = datetime.now(timezone.utc)
+        self.write_many([ev])
 
-    def _batch(self, session: Session, ev: BatchOutcome) -> None:
+    def write_many(self, events: Iterable[LedgerEvent]) -> None:
+        """Write these events in one transaction: all of them, or (on any error) none."""
+        with self.engine.begin() as conn:
+            for ev in events:
+                for w in self._plan(ev):
+                    conn.execute(w.statement, w.rows)
+
+    def write_each(self, ev: LedgerEvent) -> list[str]:
+        """Write one event row by row, each row in a transaction of its own, skipping the rows the database
+        refuses; returns what was refused (table, key, why), one line per row.
+
+        The slow path, taken only once writing the event whole has failed because of its contents. An error
+        about the database rather than a row (connection lost) is raised: the caller retries, and the rows
+        written so far are written again harmlessly (every write is an upsert).
+        """
+        refused: list[str] = []
+        for w in self._plan(ev):
+            for row in w.rows:
+                try:
+                    with self.engine.begin() as conn:
+                        conn.execute(w.statement, [row])
+                except Exception as exc:
+                    if not refused_by_database(exc):
+                        raise
+                    key = ", ".join(f"{k}={row.get(k)!r}" for k in w.key)
+                    refused.append(f"{w.table} ({key}): {type(exc).__name__}: {_first_line(exc)}")
+        return refused
+
+    def release(self, digest: str) -> bool:
+        """Mark this input's quarantine released; False when the ledger holds no unreleased record of it."""
+        w = self._released(digest)
+        with self.engine.begin() as conn:
+            return bool(conn.execute(w.statement, w.rows).rowcount)
+
+    def quarantined(self) -> list[dict[str, Any]]:
+        """Every input quarantined and not released, oldest first, as :class:`tasks.quarantine.Quarantine`
+        keeps its details (``hash``, ``model``, ``reason``, ``batch_id``, ``request_id``, ``since``)."""
+        q = QuarantineRecord
+        query = select(q).where(q.released_at.is_(None)).order_by(q.created_at)
+        with Session(self.engine) as session:
+            return [{"hash": r.input_hash, "model": r.model, "reason": r.reason, "batch_id": r.batch_id,
+                     "request_id": r.request_id, "since": _utc(r.created_at).timestamp()}
+                    for r in session.scalars(query)]
+
+    # -- events as statements ------------------------------------------------------------------------
+    def _plan(self, ev: LedgerEvent) -> list[_Write]:
+        if isinstance(ev, BatchOutcome):
+            writes = self._batch(ev)
+        elif isinstance(ev, ItemsOutcome):
+            writes = [self._requests(ev.model, ev.items, ev.status, ev.error, ev.batch_id)]
+        elif isinstance(ev, Quarantined):
+            writes = [self._upsert(QuarantineRecord, [{
+                "input_hash": ev.digest, "model": ev.model, "reason": ev.reason, "batch_id": ev.batch_id,
+                "request_id": ev.item.id, "input": ev.item.input if self.store_inputs else None,
+                "created_at": datetime.now(timezone.utc), "released_at": None}], "input_hash")]
+        elif isinstance(ev, Released):
+            writes = [self._released(ev.digest)]
+        else:
+            raise TypeError(f"not a ledger event: {ev!r}")
+        return [w for w in writes if w.rows]
+
+    def _batch(self, ev: BatchOutcome) -> list[_Write]:
         b = ev.batch
-        self._upsert(session, BatchRecord, [{
-            "id": b.id, "parent_id": b.parent_id, "model": b.model, "worker": ev.worker, "size": len(b.items),
-            "attempt": b.attempt, "status": ev.status, "error": ev.error, "created_at": ts(b.created_at),
-            "started_at": ts(ev.started_at), "finished_at": ts(ev.finished_at), "run_ms": ev.run_ms}], "id")
-        self._upsert(session, BatchRequest, [{"batch_id": b.id, "request_id": i.id} for i in b.items],
-                     ("batch_id", "request_id"), update=False)
         done = ev.item_status == "ok"
-        self._upsert_requests(session, b.model, b.items, ev.item_status, ev.error if not done else None, b.id,
-                              started_at=ev.started_at, finished_at=ev.finished_at if done else None,
-                              run_ms=ev.run_ms if done else None)
+        return [
+            self._upsert(BatchRecord, [{
+                "id": b.id, "parent_id": b.parent_id, "model": b.model, "worker": ev.worker, "size": len(b.items),
+                "attempt": b.attempt, "status": ev.status, "error": ev.error, "created_at": ts(b.created_at),
+                "started_at": ts(ev.started_at), "finished_at": ts(ev.finished_at), "run_ms": ev.run_ms}], "id"),
+            self._upsert(BatchRequest, [{"batch_id": b.id, "request_id": i.id} for i in b.items],
+                         ("batch_id", "request_id"), update=False),
+            self._requests(b.model, b.items, ev.item_status, ev.error if not done else None, b.id,
+                           started_at=ev.started_at, finished_at=ev.finished_at if done else None,
+                           run_ms=ev.run_ms if done else None),
+        ]
 
-    def _upsert_requests(self, session: Session, model: str, items: Iterable[BatchItem], status: str,
-                         error: str | None, batch_id: str | None, *, started_at: float | None = None,
-                         finished_at: float | None = None, run_ms: float | None = None) -> None:
+    def _requests(self, model: str, items: Iterable[BatchItem], status: str, error: str | None,
+                  batch_id: str | None, *, started_at: float | None = None, finished_at: float | None = None,
+                  run_ms: float | None = None) -> _Write:
         now = time.time()
         rows = [{
             "id": i.id, "correlation_id": i.request_id, "tenant": i.tenant, "model": model, "status": status,
@@ -221,23 +319,24 @@ class Ledger:
             "finished_at": ts(finished_at if finished_at is not None else now),
             "queued_ms": None if started_at is None else round((started_at - i.accepted_at) * 1000, 3),
             "run_ms": run_ms} for i in items]
-        if rows:
-            self._upsert(session, RequestRecord, rows, "id", keep_final_status=True)
+        return self._upsert(RequestRecord, rows, "id", keep_final_status=True)
 
-    @staticmethod
-    def _upsert(session: Session, model: type[Base], rows: list[dict[str, Any]], key: str | tuple[str, ...],
-                update: bool = True, keep_final_status: bool = False) -> None:
+    def _upsert(self, model: type[Base], rows: list[dict[str, Any]], key: str | tuple[str, ...],
+                update: bool = True, keep_final_status: bool = False) -> _Write:
         """INSERT ... ON CONFLICT for many rows in one executemany, in the dialect at hand.
 
         Records come from several processes in no guaranteed order; with ``keep_final_status`` a request
         that already reached a final status keeps it (a late "retrying" from a parent batch must not undo
         the "ok" of the half that succeeded).
         """
-        if rows:
-            dialect = session.get_bind().dialect.name
-            keys = (key,) if isinstance(key, str) else key
-            stmt = _upsert_statement(model.__table__, dialect, keys, update, keep_final_status)  # type: ignore[arg-type]
-            session.execute(stmt, rows)
+        keys = (key,) if isinstance(key, str) else key
+        table: Table = model.__table__  # type: ignore[assignment]
+        stmt = _upsert_statement(table, self.engine.dialect.name, keys, update, keep_final_status)
+        return _Write(table.name, stmt, rows, keys)
+
+    def _released(self, digest: str) -> _Write:
+        return _Write(QuarantineRecord.__tablename__, _release_statement(),
+                      [{"b_hash": digest, "b_at": datetime.now(timezone.utc)}], ("b_hash",))
 
 
 @functools.cache
@@ -260,28 +359,77 @@ def _upsert_statement(table: Table, dialect: str, keys: tuple[str, ...], update:
     return stmt.on_conflict_do_update(index_elements=list(keys), set_=columns)
 
 
+@functools.cache
+def _release_statement() -> Any:
+    """Released keeps the time of the first release."""
+    q = QuarantineRecord
+    return (update(q).where(q.input_hash == bindparam("b_hash"), q.released_at.is_(None))
+            .values(released_at=bindparam("b_at")))
+
+
+def _utc(at: datetime) -> datetime:
+    """SQLite hands back naive datetimes; the ledger writes UTC."""
+    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
+
+
+def _first_line(exc: BaseException) -> str:
+    """What the database said, without the statement and parameters SQLAlchemy appends (inputs among them)."""
+    orig = exc.orig if isinstance(exc, DBAPIError) else exc
+    return (str(orig).splitlines() or [""])[0]
+
+
+def refused_by_database(exc: BaseException) -> bool:
+    """Whether a failed write failed because of what it holds, so that writing it again can never succeed.
+
+    Refused: a value the database will not take (``DataError``: too long, out of range, invalid), a constraint
+    it breaks (``IntegrityError``), or a value that cannot even be sent (a ``StatementError`` SQLAlchemy raised
+    while preparing parameters, or a plain ``TypeError``/``ValueError``/``UnicodeError`` from the driver).
+    Not refused, so retried while events wait in the buffer: everything about reaching or using the database
+    (``OperationalError``: connection lost, server down, database locked; ``ProgrammingError``: tables missing
+    until ``llmb-admin db upgrade``; a pool timeout).
+    """
+    if isinstance(exc, (DataError, IntegrityError)):
+        return True
+    if isinstance(exc, DBAPIError):
+        return False
+    if isinstance(exc, StatementError):  # raised before the database saw the statement
+        return True
+    return not isinstance(exc, SQLAlchemyError)
+
+
 @dataclass
 class LedgerWriter:
-    """Background writer: ``record`` never blocks and never raises."""
+    """Background writer: ``record`` never blocks and never raises.
+
+    What has queued up is written together (up to ``max_group`` events in one transaction). A write that
+    fails because of its contents (:func:`refused_by_database`) is written again event by event, and a
+    refused event row by row: only the refused rows are dropped, logged and counted (``on_drop``); the
+    writer goes on. Any other failure (the database is unreachable) is retried every ``retry_s`` seconds
+    while new events wait in the buffer.
+    """
 
     ledger: Ledger
     max_buffer: int = 10_000
     on_drop: Callable[[int], object] = lambda n: None
     retry_s: float = 2.0
+    max_group: int = 100
     _queue: queue.Queue[LedgerEvent | None] = field(init=False)
     _thread: threading.Thread = field(init=False)
-    dropped: int = field(default=0, init=False)
+    dropped: int = field(default=0, init=False)  # records lost for any reason (buffer full, refused)
+    refused: int = field(default=0, init=False)  # of which the database refused
 
     def __post_init__(self) -> None:
-        self._queue = queue.Queue(maxsize=self.max_buffer)
+        self._queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="ledger-writer", daemon=True)
         self._thread.start()
 
     def record(self, ev: LedgerEvent) -> None:
-        try:
-            self._queue.put_nowait(ev)
-        except queue.Full:
+        # the bound counts what waits and what the writer holds (a group being written): both are not yet written
+        if self._queue.unfinished_tasks >= self.max_buffer:
             self._drop(1)
+            log.warning("ledger buffer full: dropped %d record(s) (%d in all)", 1, self.dropped)
+            return
+        self._queue.put_nowait(ev)
 
     def flush(self, timeout_s: float = 10.0) -> bool:
         """Wait until everything recorded so far is written (tests, shutdown). False on timeout."""
@@ -292,14 +440,10 @@ class LedgerWriter:
 
     def close(self, timeout_s: float = 5.0) -> None:
         self.flush(timeout_s)
-        try:
-            self._queue.put_nowait(None)
-        except queue.Full:
-            pass
+        self._queue.put_nowait(None)
 
     def _drop(self, n: int) -> None:
         self.dropped += n
-        log.warning("ledger buffer full: dropped %d record(s) (%d in all)", n, self.dropped)
         try:
             self.on_drop(n)
         except Exception:  # counting is best effort
@@ -307,20 +451,66 @@ class LedgerWriter:
 
     def _run(self) -> None:
         while True:
-            ev = self._queue.get()
-            if ev is None:
-                self._queue.task_done()
-                return
-            while True:
+            first = self._queue.get()
+            group: list[LedgerEvent] = []
+            stop = first is None
+            if first is not None:
+                group.append(first)
+            while not stop and len(group) < self.max_group:
                 try:
-                    self.ledger.write(ev)
+                    ev = self._queue.get_nowait()
+                except queue.Empty:
                     break
-                except SQLAlchemyError as exc:
-                    log.warning("ledger write failed (%s); retrying in %g s with %d record(s) waiting",
-                                type(exc).__name__, self.retry_s, self._queue.qsize())
-                    time.sleep(self.retry_s)
-                except Exception:
-                    log.exception("ledger record could not be written; dropped")
-                    self._drop(1)
-                    break
-            self._queue.task_done()
+                if ev is None:
+                    stop = True
+                else:
+                    group.append(ev)
+            try:
+                if group:
+                    self._write(group)
+            except Exception:  # never let the writer thread die
+                log.exception("ledger records could not be written; dropped %d", len(group))
+                self._drop(len(group))
+            finally:
+                for _ in range(len(group) + stop):
+                    self._queue.task_done()
+            if stop:
+                return
+
+    def _write(self, group: list[LedgerEvent]) -> None:
+        if self._persist(functools.partial(self.ledger.write_many, group)) is None:
+            return
+        if len(group) == 1:
+            self._write_each(group[0])
+            return
+        for ev in group:  # which of them? each alone, then the refused ones row by row
+            if self._persist(functools.partial(self.ledger.write, ev)) is not None:
+                self._write_each(ev)
+
+    def _write_each(self, ev: LedgerEvent) -> None:
+        refused: list[str] = []
+
+        def rows() -> None:
+            refused[:] = self.ledger.write_each(ev)
+
+        error = self._persist(rows)
+        if error is not None:  # not a row: the event itself cannot be turned into rows
+            refused = [f"{type(ev).__name__}: {type(error).__name__}: {_first_line(error)}"]
+        for line in refused:
+            log.error("a ledger record could not be stored; dropped it and wrote the rest: %s", line)
+        if refused:
+            self.refused += len(refused)
+            self._drop(len(refused))
+
+    def _persist(self, write: Callable[[], object]) -> BaseException | None:
+        """Run ``write`` until it succeeds (None) or fails because of what it writes (that error)."""
+        while True:
+            try:
+                write()
+                return None
+            except Exception as exc:
+                if refused_by_database(exc):
+                    return exc
+                log.warning("ledger write failed (%s: %s); retrying in %g s with %d record(s) waiting",
+                            type(exc).__name__, _first_line(exc), self.retry_s, self._queue.unfinished_tasks)
+                time.sleep(self.retry_s)

@@ -12,6 +12,8 @@ the caller's deadline, so work nobody waits for is dropped even if no batcher is
 from __future__ import annotations
 
 import json
+import socket
+import time
 
 from kombu import Connection, Queue
 from kombu.pools import ProducerPool
@@ -19,6 +21,11 @@ from kombu.pools import ProducerPool
 from tasks.schema import InferenceRequest
 
 RETRY_POLICY = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2, "interval_max": 0.5}
+PUBLISH_ATTEMPTS = 3  # connection errors while publishing a request: reconnect and try again, within the budget
+
+
+class PublishTimeout(TimeoutError):
+    """Raised when the broker does not confirm a publish in time (blocked by an alarm, or unreachable)."""
 
 
 def request_queue(name: str) -> Queue:
@@ -42,22 +49,37 @@ class RequestPublisher:
         self.pool = self.connection.Pool(limit=pool_size)
         self.producers = ProducerPool(self.pool, limit=pool_size)
 
-    def publish(self, request: InferenceRequest) -> None:
-        """Publish and wait for the broker's confirm; raises kombu/amqp/OS errors if it cannot."""
+    def publish(self, request: InferenceRequest, timeout_s: float) -> None:
+        """Publish and wait for the broker's confirm, for at most ``timeout_s`` in all (waiting for a pooled
+        connection, reconnecting and the confirm included). Raises kombu/amqp/OS errors if it cannot; a
+        :class:`PublishTimeout` when the broker does not confirm in time (a memory or disk alarm blocks
+        publishers without a word)."""
         ttl_s = max(request.deadline - request.accepted_at, 0.001)
-        with self.producers.acquire(block=True, timeout=5) as producer:
-            producer.connection.ensure(producer, producer.publish, **RETRY_POLICY)(
-                json.dumps(request.to_dict()),
-                exchange="",
-                routing_key=self.queue.name,
-                declare=[self.queue],
-                content_type="application/json",
-                content_encoding="utf-8",
-                delivery_mode=2 if self.persistent else 1,
-                expiration=ttl_s,
-                correlation_id=request.id,
-                headers={"tenant": request.tenant, "model": request.model},
-            )
+        give_up = time.monotonic() + timeout_s
+        body = json.dumps(request.to_dict())
+        for attempt in range(PUBLISH_ATTEMPTS):
+            remaining = give_up - time.monotonic()
+            if remaining <= 0:
+                break
+            with self.producers.acquire(block=True, timeout=remaining) as producer:
+                try:
+                    producer.publish(
+                        body, exchange="", routing_key=self.queue.name, declare=[self.queue],
+                        content_type="application/json", content_encoding="utf-8",
+                        delivery_mode=2 if self.persistent else 1, expiration=ttl_s, correlation_id=request.id,
+                        headers={"tenant": request.tenant, "model": request.model},
+                        timeout=remaining, confirm_timeout=remaining)
+                    return
+                except (socket.timeout, TimeoutError):
+                    # a confirm may still come, and would be taken for the next message's: drop the connection
+                    producer.connection.collect()
+                    break
+                except producer.connection.recoverable_connection_errors:
+                    producer.connection.collect()  # reconnect on the next attempt
+                    if attempt == PUBLISH_ATTEMPTS - 1:
+                        raise
+            time.sleep(min(0.2 * attempt, max(0.0, give_up - time.monotonic())))
+        raise PublishTimeout(f"RabbitMQ did not confirm the request within {timeout_s:.1f} s")
 
     def queue_depth(self) -> int:
         """Requests waiting in RabbitMQ (not yet delivered to a batcher)."""

@@ -27,9 +27,10 @@ import redis
 from kombu import Connection, Message
 
 from tasks.batcher import Batcher
-from tasks.claims import Claims
+from tasks.celery_app import batch_of_task
+from tasks.claims import SKIP, STRANDED, Claims
 from tasks.errors import PoisonInput, RetriesExhausted
-from tasks.fleet import Fleet, WorkerInfo
+from tasks.fleet import DRAINING, Fleet, WorkerInfo
 from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent, Quarantined
 from tasks.quarantine import Quarantine
 from tasks.queues import RETRY_POLICY, recovery_queue
@@ -55,6 +56,7 @@ class Recovery:
         self.connection = connection  # a broker connection for queue checks, draining and publishing
         self.queue = recovery_queue(queue_name)
         self.on_poison = on_poison  # counts isolated poison inputs (metrics)
+        self._known: dict[str, WorkerInfo] = {}  # the last heartbeat seen of each worker, to find its queue
 
     # -- the recovery queue --------------------------------------------------------------------------
     def on_message(self, message: Message) -> float | None:
@@ -67,45 +69,60 @@ class Recovery:
             log.error("dropping a malformed recovery message: %s", exc)
             message.ack()
             return None
-        worker, error = body.get("worker"), str(body.get("error", ""))
+        worker, error = str(body.get("worker", "")), str(body.get("error", ""))
+        blame = str(body.get("blame") or worker)
         if kind == LOST:
-            verdict = self.claims.for_recovery(batch.id, str(body.get("token", batch.id)))
-            if verdict == "skip":
+            claim = self.claims.for_recovery(batch.id, str(body.get("token", batch.id)))
+            if claim.verdict == SKIP:
                 message.ack()
                 return None
-            failure = Failure.STRANDED if verdict == "stranded" else Failure.DIED
+            failure = Failure.STRANDED if claim.verdict == STRANDED else Failure.DIED
+            blame = claim.worker or worker
             self.record(BatchOutcome(batch, "reassigned" if failure is Failure.STRANDED else "died", "retrying",
-                                     worker, error, finished_at=time.time()))
+                                     blame, error, finished_at=time.time()))
         else:
             failure = Failure(kind)
             if failure is Failure.DIED:
-                self.record(BatchOutcome(batch, "died", "retrying", worker, error, finished_at=time.time()))
-        decided = self.batcher.recover(batch, failure)
+                self.record(BatchOutcome(batch, "died", "retrying", blame, error, finished_at=time.time()))
+            elif failure is Failure.RETURNED:
+                self.record(BatchOutcome(batch, "returned", "retrying", worker, error, finished_at=time.time()))
+        decided = self.batcher.recover(batch, failure, died_on=blame)
         if decided.poison:
             self._poison(batch, failure, decided.poison, error)
         if decided.exhausted:
-            text = f"the request lost its worker {self.batcher.max_retries} times before running; giving up"
+            text = (f"the request lost its worker more than {self.batcher.max_retries} times (it died or was cut "
+                    "off while holding it); giving up")
             self._answer(decided.exhausted, RetriesExhausted.type, text)
             self.record(ItemsOutcome(batch.model, decided.exhausted, "exhausted", text, batch.id))
         return self.batcher.requeue(decided.batches, message.ack)
 
     # -- lost workers --------------------------------------------------------------------------------
     def check(self, now: float) -> list[str]:
-        """Find lost workers and send their batches to the recovery queue; returns their ids."""
+        """Find lost workers and send their batches to the recovery queue; returns their ids.
+
+        A worker is lost when its heartbeat is stale; when it has batches of ours but nobody consumes its
+        queue (a killed process; not while it is draining, which stops consuming on purpose); or when it has
+        batches of ours and is gone from the fleet view (it stopped, or another batcher found it lost).
+        """
         workers = {w.id: w for w in self.fleet.all()}
+        self._known.update(workers)
         lost = {wid for wid, w in workers.items() if now - w.heartbeat_at > self.fleet.stale_after_s}
-        busy = {wid for wid, _, _ in self.batcher.in_flight.values()} - lost
+        ours = {wid for wid, _, _ in self.batcher.in_flight.values()}
+        lost |= {wid for wid in ours if wid not in workers and wid in self._known}
+        busy = {wid for wid in ours - lost if wid in workers and workers[wid].state != DRAINING}
         if busy:
             with self.connection() as conn:
-                lost |= {wid for wid in busy if wid in workers and _consumers(conn, workers[wid].queue) == 0}
+                lost |= {wid for wid in busy if _consumers(conn, workers[wid].queue) == 0}
         for wid in lost:
-            self.take_back(workers[wid])
+            self.take_back(self._known[wid])
         return sorted(lost)
 
     def take_back(self, worker: WorkerInfo) -> None:
-        log.warning("worker %s is lost (no heartbeat, or nobody consumes %s); taking its batches back",
+        """Publish every batch the worker holds to the recovery queue, then forget the worker. Each batch is
+        forgotten only once it is published (and a queued one acknowledged only then): a failure half way
+        leaves the rest for the next check."""
+        log.warning("worker %s is lost (no heartbeat, gone, or nobody consumes %s); taking its batches back",
                     worker.id, worker.queue)
-        self.fleet.leave(worker.id)
         with self.connection() as conn:
             producer = conn.Producer()
             publish = conn.ensure(producer, producer.publish, **RETRY_POLICY)
@@ -116,12 +133,13 @@ class Recovery:
                         exchange="", routing_key=self.queue.name, declare=[self.queue], serializer="json",
                         delivery_mode=2)
 
-            for batch in self.batcher.worker_lost(worker.id):
+            for batch in self.batcher.held_by(worker.id):
                 send_back(batch)
+                self.batcher.forget_in_flight(batch.id)
             channel = conn.channel()
             try:
                 while (message := channel.basic_get(worker.queue, no_ack=False)) is not None:
-                    queued = _batch_of(message.body)
+                    queued = batch_of_task(message.body)
                     if queued is not None:
                         send_back(queued)
                     channel.basic_ack(message.delivery_tag)
@@ -129,10 +147,14 @@ class Recovery:
                 log.debug("draining %s stopped: %s", worker.queue, exc)
             finally:
                 _close(channel)
+        self.batcher.worker_lost(worker.id)
+        self.fleet.leave(worker.id)
+        self._known.pop(worker.id, None)
 
     # -- answering what cannot be run ----------------------------------------------------------------
     def _poison(self, batch: Batch, failure: Failure, items: list[BatchItem], error: str) -> None:
-        how = "kills its worker" if failure is Failure.DIED else f"makes the model fail ({error})"
+        how = ("killed every worker that ran it" if failure is Failure.DIED
+               else f"makes the model fail ({error})")
         for item in items:
             digest = input_hash(batch.model, item.input)
             text = (f"this input {how} even when run alone; it is quarantined (hash {digest}) and refused "
@@ -169,12 +191,3 @@ def _close(channel: Any) -> None:
         channel.close()
     except Exception:  # closing a channel the broker already closed
         pass
-
-
-def _batch_of(body: bytes | str) -> Batch | None:
-    """The batch inside a Celery task message (protocol 2: [args, kwargs, embed])."""
-    try:
-        return Batch.from_dict(json.loads(body)[0][0])
-    except (ValueError, KeyError, IndexError, TypeError):
-        log.error("a message in a lost worker's queue is not a batch task; dropping it")
-        return None

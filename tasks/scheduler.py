@@ -22,7 +22,7 @@ heard of for ``forget_after_s`` is forgotten so that a lost announcement cannot 
 """
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from tasks.fleet import WorkerInfo
@@ -94,13 +94,18 @@ class Scheduler:
         return est * n  # sent, not started yet
 
     # -- the decision --------------------------------------------------------------------------------
-    def choose(self, workers: Iterable[WorkerInfo], model: str, now: float) -> Choice:
-        """The worker for the next batch of ``model``, or how long until one could take it."""
+    def choose(self, workers: Iterable[WorkerInfo], model: str, now: float,
+               avoid: Collection[str] = ()) -> Choice:
+        """The worker for the next batch of ``model``, or how long until one could take it.
+
+        Workers in ``avoid`` (those a retried batch died on) are passed over while another worker serves the
+        model, even a busy one: the batch then waits for it.
+        """
+        candidates = [w for w in workers if w.model == model]
+        others = [w for w in candidates if w.id not in avoid]
         best: tuple[float, int, float, str, WorkerInfo] | None = None
         soonest: float | None = None
-        for w in workers:
-            if w.model != model:
-                continue
+        for w in others or candidates:
             n = self.outstanding(w.id, now)
             limit = self.max_outstanding + w.slots - 1
             backlog = 0.0 if n < w.slots else self.backlog_s(w, now)

@@ -73,6 +73,7 @@ class BatchItem:
     tenant: str = "default"
     retries: int = 0  # times re-dispatched because its worker was lost before running it
     params: dict[str, Any] = field(default_factory=dict)
+    died_on: tuple[str, ...] = ()  # workers that died (or vanished) while running a batch holding this item
 
 
 class Failure(StrEnum):
@@ -81,6 +82,7 @@ class Failure(StrEnum):
     RAISED = "raised"  # the model raised on it
     DIED = "died"  # its worker died (or went silent) while running it
     STRANDED = "stranded"  # its worker was lost before it started
+    RETURNED = "returned"  # its worker was stopping and handed it back unstarted (no retry is charged)
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Batch:
     def from_dict(cls, d: dict[str, Any]) -> "Batch":
         return cls(
             id=str(d["id"]), model=str(d["model"]), created_at=float(d["created_at"]),
-            items=tuple(BatchItem(**i) for i in d["items"]),
+            items=tuple(BatchItem(**{**i, "died_on": tuple(i.get("died_on") or ())}) for i in d["items"]),
             parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)),
         )
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from tasks.isolation import plan
+from tasks.isolation import avoid, plan
 from tasks.schema import Batch, BatchItem, Failure
 
 
@@ -61,3 +61,49 @@ def test_stranded_batches_go_again_whole_until_retries_run_out() -> None:
     assert all(i.retries == 1 for i in p.batches[0].items)
     p = plan(batch(4, retries=3), Failure.STRANDED, now=1.0, max_retries=3)
     assert not p.batches and len(p.exhausted) == 4
+
+
+def test_a_lone_item_whose_worker_died_runs_again_elsewhere_not_as_poison() -> None:
+    p = plan(batch(1), Failure.DIED, now=1.0, died_on="gpu0@a")
+    assert not p.poison and not p.exhausted
+    assert [i.died_on for b in p.batches for i in b.items] == [("gpu0@a",)]
+    assert avoid(p.batches[0]) == {"gpu0@a"}
+
+
+def test_a_lone_item_that_died_on_two_different_workers_is_poison() -> None:
+    again = plan(plan(batch(1), Failure.DIED, now=1.0, died_on="gpu0@a").batches[0], Failure.DIED, now=2.0,
+                 died_on="gpu1@b")
+    assert [i.id for i in again.poison] == ["i0"] and not again.batches
+
+
+def test_deaths_on_one_worker_alone_never_quarantine_but_end_in_a_clear_failure() -> None:
+    b, deaths = batch(1), 0
+    while True:
+        p = plan(b, Failure.DIED, now=1.0, died_on="gpu0@a", max_retries=3)
+        deaths += 1
+        assert not p.poison
+        if p.exhausted:
+            break
+        b = p.batches[0]
+    assert deaths == 4
+
+
+def test_a_killer_input_is_isolated_across_workers_and_innocents_are_not_blamed() -> None:
+    """Replay the search for an input that kills whichever worker runs it, over three workers in turn."""
+    pending, workers, poison, n = [batch(100)], itertools.cycle(["w0", "w1", "w2"]), [], 0
+    innocent_blamed = 0
+    while pending:
+        b = pending.pop(0)
+        n += 1
+        if not any(i.id == "i37" for i in b.items):
+            innocent_blamed += sum(1 for i in b.items if len(set(i.died_on)) >= 2 and len(b.items) == 1)
+            continue
+        p = plan(b, Failure.DIED, now=0.0, died_on=next(workers))
+        poison += [i.id for i in p.poison]
+        pending += p.batches
+    assert poison == ["i37"] and innocent_blamed == 0 and n < 30
+
+
+def test_a_batch_handed_back_by_a_stopping_worker_goes_again_whole_uncharged() -> None:
+    p = plan(batch(5), Failure.RETURNED, now=1.0)
+    assert len(p.batches) == 1 and [i.retries for i in p.batches[0].items] == [0] * 5

@@ -1,9 +1,12 @@
-"""The outcome ledger on real databases: migrations both ways, writes, and a database outage."""
+"""The outcome ledger on real databases: migrations both ways, writes, a database outage, refused records."""
 from __future__ import annotations
 
+import threading
 import time
+from collections.abc import Iterable
 
 from sqlalchemy import inspect, select
+from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError, StatementError
 from sqlalchemy.orm import Session
 
 from tasks.ledger import (
@@ -17,7 +20,10 @@ from tasks.ledger import (
     QuarantineRecord,
     Released,
     RequestRecord,
+    StorableString,
     make_engine,
+    refused_by_database,
+    storable,
 )
 from tasks.schema import Batch, BatchItem
 from tests.stack import BIN, ROOT
@@ -84,3 +90,120 @@ def test_a_database_outage_never_blocks_and_overflow_is_counted() -> None:
     assert time.monotonic() - started < 0.5, "recording must not wait for the database"
     assert writer.dropped >= 14 and sum(dropped) == writer.dropped
     assert not writer.flush(timeout_s=0.5)
+
+
+# -- one record the database refuses must not stop the writer ------------------------------------------------
+def writer_for(url: str, **kwargs: object) -> tuple[LedgerWriter, list[int]]:
+    dropped: list[int] = []
+    ledger = kwargs.pop("ledger", None) or Ledger(make_engine(url), store_inputs=True)
+    return LedgerWriter(ledger, on_drop=dropped.append, retry_s=0.1, **kwargs), dropped  # type: ignore[arg-type]
+
+
+def stored(url: str) -> dict[str, RequestRecord]:
+    with Session(make_engine(url)) as s:
+        return {r.id: r for r in s.scalars(select(RequestRecord))}
+
+
+def test_every_text_column_of_the_ledger_is_made_storable() -> None:
+    from tasks.ledger import Base
+
+    for table in ("requests", "batches", "batch_requests", "quarantined_inputs"):
+        for column in Base.metadata.tables[table].columns:
+            if column.type.python_type is str:
+                assert isinstance(column.type, StorableString), f"{table}.{column.name} is not StorableString"
+    assert storable("a\x00b") == "a\ufffdb"
+    assert storable("lone \ud800 surrogate") == "lone \ufffd surrogate"
+    assert storable("ordinary text, é, 日本") == "ordinary text, é, 日本"
+
+
+def test_which_failures_are_about_the_record() -> None:
+    orig = Exception("from the driver")
+    assert refused_by_database(DataError("INSERT", {}, orig))
+    assert refused_by_database(IntegrityError("INSERT", {}, orig))
+    assert refused_by_database(StatementError("bad parameter", "INSERT", {}, TypeError("not a datetime")))
+    assert refused_by_database(UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed"))
+    assert not refused_by_database(OperationalError("INSERT", {}, orig))  # the database is away: wait
+    assert not refused_by_database(ProgrammingError("INSERT", {}, orig))  # tables missing: db upgrade
+
+
+def test_a_nul_in_an_input_is_stored_and_the_writer_goes_on(database_url: str) -> None:
+    """PostgreSQL refuses NUL in text: the writer used to retry that record forever, writing nothing else."""
+    admin(database_url, "db", "upgrade")
+    writer, dropped = writer_for(database_url)
+    before, after = items(2, prefix="before-"), items(2, prefix="after-")
+    nul = (BatchItem(id="nul", request_id="corr-nul", input="a\x00b", deadline=time.time() + 30,
+                     accepted_at=time.time(), reply_to="c", tenant="team-a"),)
+    writer.record(ItemsOutcome("sim", before, "expired"))
+    writer.record(BatchOutcome(Batch(id="b-nul", model="sim", items=nul + before, created_at=time.time()), "raised",
+                               "retrying", "gpu0@h", "model said \x00", time.time(), time.time(), 1.0))
+    writer.record(Quarantined("h-nul", "sim", "fails alone: \x00", "b-nul", nul[0]))
+    writer.record(ItemsOutcome("sim", after, "expired"))
+    assert writer.flush(timeout_s=10), "the ledger writer is stuck"
+    rows = stored(database_url)
+    assert {"before-0", "before-1", "nul", "after-0", "after-1"} <= set(rows)
+    assert rows["nul"].input == "a\ufffdb" and rows["nul"].error == "model said \ufffd"
+    with Session(make_engine(database_url)) as s:
+        q = s.get(QuarantineRecord, "h-nul")
+        assert q is not None and q.input == "a\ufffdb" and q.reason == "fails alone: \ufffd"
+    writer.record(ItemsOutcome("sim", items(1, prefix="later-"), "expired"))
+    assert writer.flush(timeout_s=10) and "later-0" in stored(database_url)
+    assert writer.dropped == 0 and dropped == []
+
+
+class GatedLedger(Ledger):
+    """A real ledger whose first write waits at a gate, so that what is recorded meanwhile queues up."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(make_engine(url), store_inputs=True)
+        self.reached, self.gate = threading.Event(), threading.Event()
+        self.group_sizes: list[int] = []
+
+    def write_many(self, events: Iterable[object]) -> None:  # type: ignore[override]
+        events = list(events)
+        self.reached.set()
+        self.gate.wait(10)
+        self.group_sizes.append(len(events))
+        super().write_many(events)  # type: ignore[arg-type]
+
+
+def test_a_record_the_database_refuses_is_dropped_alone_and_the_writer_goes_on(database_url: str) -> None:
+    admin(database_url, "db", "upgrade")
+    ledger = GatedLedger(database_url)
+    writer, dropped = writer_for(database_url, ledger=ledger)
+    writer.record(ItemsOutcome("sim", items(1, prefix="first-"), "expired"))
+    assert ledger.reached.wait(10)  # the writer holds the first event; the rest queue up behind it
+    now = time.time()
+    no_time = BatchItem(id="no-time", request_id="c", input="x", deadline=now + 30, accepted_at=None,  # type: ignore[arg-type]
+                        reply_to="c")  # accepted_at is NOT NULL: an IntegrityError in both databases
+    long_tenant = BatchItem(id="long-tenant", request_id="c", input="x", deadline=now + 30, accepted_at=now,
+                            reply_to="c", tenant="t" * 100)  # over String(64): PostgreSQL refuses it
+    writer.record(ItemsOutcome("sim", items(2, prefix="a-"), "expired"))
+    mixed = Batch(id="mixed", model="sim", items=(no_time, *items(2, prefix="m-")), created_at=now)
+    writer.record(BatchOutcome(mixed, "died", "retrying", "gpu0@h", "worker died", finished_at=now))
+    writer.record(ItemsOutcome("sim", (long_tenant,), "expired"))
+    writer.record(Quarantined("h-none", "sim", "fails alone", None, items(1)[0]))  # type: ignore[arg-type]
+    writer.record(ItemsOutcome("sim", items(2, prefix="z-"), "expired"))
+    ledger.gate.set()
+    assert writer.flush(timeout_s=20), "the ledger writer is stuck"
+    assert ledger.group_sizes[:2] == [1, 5], "what queued up is written in one transaction first"
+    rows = stored(database_url)
+    assert {"first-0", "a-0", "a-1", "m-0", "m-1", "z-0", "z-1"} <= set(rows)
+    assert "no-time" not in rows
+    with Session(make_engine(database_url)) as s:
+        assert s.get(BatchRecord, "mixed") is not None  # the batch and its valid items were written row by row
+        assert s.get(QuarantineRecord, "h-none") is None
+    refused = 2 if database_url.startswith("sqlite") else 3  # SQLite does not enforce String(64)
+    assert ("long-tenant" in rows) == database_url.startswith("sqlite")
+    assert writer.refused == writer.dropped == sum(dropped) == refused
+    writer.record(ItemsOutcome("sim", items(1, prefix="later-"), "expired"))
+    assert writer.flush(timeout_s=10) and "later-0" in stored(database_url)
+
+
+def test_a_missing_table_is_waited_for_not_dropped(database_url: str) -> None:
+    """Only errors about a record drop it; the database being unusable (here: not migrated yet) is retried."""
+    writer, dropped = writer_for(database_url)
+    writer.record(ItemsOutcome("sim", items(2, prefix="early-"), "expired"))
+    assert not writer.flush(timeout_s=0.5)
+    admin(database_url, "db", "upgrade")
+    assert writer.flush(timeout_s=10)
+    assert {"early-0", "early-1"} <= set(stored(database_url)) and dropped == []
