@@ -22,6 +22,8 @@ from tasks.schema import BatchItem, ItemResult
 
 log = logging.getLogger(__name__)
 Read = Callable[[Sequence[str]], list[bytes | None]]  # item ids -> their result keys' values, in order
+REDIS_GRACE_S = 5.0  # a waiter rides out a Redis outage this long before its caller gets 503
+REDIS_RETRY_S = 0.25  # how often it tries Redis again meanwhile
 
 
 class ResultWriter:
@@ -120,7 +122,8 @@ class ResultListener:
         """Block until every item has a result or the monotonic ``deadline`` passes.
 
         Returns whatever results exist by then (possibly fewer than asked for: the caller decides it is a
-        timeout). Never waits past the deadline.
+        timeout). Never waits past the deadline. Redis going away for less than ``REDIS_GRACE_S`` costs
+        nothing (workers hold their results until it is back); longer, and the RedisError is raised.
         """
         self.start()
         waiter = _Waiter()
@@ -128,13 +131,21 @@ class ResultListener:
             self._waiters[item_id] = waiter
         results: dict[str, ItemResult] = {}
         pending = list(item_ids)
+        failing_since: float | None = None
         try:
             while True:
                 remaining = deadline - time.monotonic()
                 if remaining > 0:
-                    waiter.event.wait(min(remaining, self.recheck_s))
+                    waiter.event.wait(min(remaining, self.recheck_s if failing_since is None else REDIS_RETRY_S))
                     waiter.event.clear()
-                results.update(self.fetch(pending, read))
+                try:
+                    results.update(self.fetch(pending, read))
+                    failing_since = None
+                except redis.RedisError:
+                    now = time.monotonic()
+                    failing_since = now if failing_since is None else failing_since
+                    if remaining <= 0 or now - failing_since >= REDIS_GRACE_S:
+                        raise
                 pending = [i for i in pending if i not in results]
                 if not pending or remaining <= 0:
                     return results

@@ -110,3 +110,31 @@ def test_expired_items_are_dropped_from_every_tenant() -> None:
     assert sorted(buf.drop_expired(2.0)) == ["a-late", "b-late"]
     assert [w.item for w in buf.take()] == ["a-ok"]
     assert len(buf) == 0
+
+
+def test_a_batch_ends_at_its_byte_limit_and_always_holds_one_item() -> None:
+    """Big inputs: a batch must fit in one broker message, whatever the item count allows."""
+    buffer: FairBuffer[str] = FairBuffer(FlushPolicy(100, 1.0, max_batch_bytes=1000), size_of=len)
+    for k in range(5):
+        buffer.add("a" * 400 + str(k), now=0.0, deadline=100.0, tenant="a")
+    buffer.add("b" * 5000, now=0.0, deadline=100.0, tenant="b")
+    assert buffer.is_ready(0.0)  # over the byte limit: due at once, like a full batch
+    sizes = []
+    while buffer:
+        batch = buffer.take()
+        assert batch and (sum(len(w.item) for w in batch) <= 1000 or len(batch) == 1)
+        sizes.append(len(batch))
+    assert sorted(sizes) == [1, 1, 2, 2] and buffer.bytes == 0
+
+
+def test_the_byte_count_follows_drops_and_put_backs() -> None:
+    buffer: FairBuffer[str] = FairBuffer(FlushPolicy(100, 1.0, max_batch_bytes=10_000), size_of=len)
+    buffer.add("x" * 100, now=0.0, deadline=1.0)
+    buffer.add("y" * 50, now=0.0, deadline=5.0)
+    assert buffer.bytes == 150
+    buffer.drop_expired(2.0)
+    assert buffer.bytes == 50
+    taken = buffer.take()
+    assert buffer.bytes == 0
+    buffer.put_back(taken)
+    assert buffer.bytes == 50 and not buffer.is_ready(0.5)

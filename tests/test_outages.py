@@ -2,9 +2,11 @@
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -28,6 +30,13 @@ class PrivateRedis:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a shutdown (no persistence here either way: it comes back empty)."""
+        if self.proc is not None:
+            self.proc.kill()
             self.proc.wait(timeout=10)
             self.proc = None
 
@@ -71,3 +80,23 @@ def test_redis_down_means_fast_503s_and_service_resumes_when_it_is_back(
     r = post(stack.url, {"input": "after", "timeout_ms": 20_000})
     assert r.status_code == 200, r.text
     assert r.json()["output"] == expected("after")
+
+
+def test_a_request_in_flight_while_redis_restarts_still_gets_its_own_output(
+        outage_stack: tuple[Stack, PrivateRedis]) -> None:
+    """The worker holds the batch's results until Redis is back (its task is not acknowledged before), and the
+    waiting caller rides out the outage instead of failing."""
+    stack, private = outage_stack
+    stack.kill("gpu0", signal.SIGTERM)
+    stack.start_worker(0, sim_batch_ms=1500)
+    stack.wait_ready(workers=1)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        future = pool.submit(post, stack.url, {"input": "across the outage", "timeout_ms": 20_000})
+        wait_for(lambda: any(b'"busy"' in v for v in stack.redis.hvals(f"{stack.namespace}:fleet")), 20,
+                 "the worker to start the batch")
+        private.kill()
+        wait_for(lambda: "Redis unreachable" in stack.log("gpu0"), 20, "the worker to hold its results for Redis")
+        private.start()
+        r = future.result(timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["output"] == expected("across the outage")

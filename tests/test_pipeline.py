@@ -4,11 +4,13 @@ Timing bounds here are deliberately generous: speed is measured by the benchmark
 """
 from __future__ import annotations
 
+import json
 import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
+import pytest
 import redis
 import requests
 
@@ -82,6 +84,27 @@ def test_150_requests_at_once_are_served_in_batches_of_at_most_100(stack: Stack)
     assert max(sizes.values()) <= 100
     assert sum(sizes.values()) == 150  # every request is in exactly one reported batch
     assert len(sizes) < 150, "requests sent together must share batches"
+
+
+@pytest.mark.fault
+def test_inputs_too_big_to_share_one_broker_message_are_split_across_batches(stack: Stack) -> None:
+    """60 inputs of 400,000 non-ASCII characters: 2.4 MB each once JSON-escaped, 144 MB as one batch, beyond
+    RabbitMQ's 128 MiB message limit. Batches end at LLMB_MAX_BATCH_BYTES (16 MiB) instead."""
+    texts = [f"{k} " + "\u00e9" * 400_000 for k in range(60)]
+    bodies = [json.dumps({"input": t, "timeout_ms": 120_000}, ensure_ascii=False).encode() for t in texts]
+
+    def send(body: bytes) -> requests.Response:
+        return requests.post(stack.url + "/v1/infer", data=body, headers={"Content-Type": "application/json"},
+                             timeout=180)
+
+    with ThreadPoolExecutor(max_workers=60) as pool:
+        responses = list(pool.map(send, bodies))
+    sizes: dict[str, int] = {}
+    for text, r in zip(texts, responses):
+        assert r.status_code == 200, r.text[:300]
+        assert r.json()["output"] == expected(text)
+        sizes[r.json()["batch"]["id"]] = r.json()["batch"]["size"]
+    assert sum(sizes.values()) == 60 and max(sizes.values()) <= 7  # 16 MiB / 2.4 MB
 
 
 def test_over_the_admission_cap_callers_get_429_and_nothing_extra_is_enqueued(stack: Stack) -> None:
