@@ -215,3 +215,32 @@ def test_a_worker_twice_as_slow_gets_about_half_the_batches(tmp_path: Path) -> N
         assert fast > 10 and 0.35 <= slow / fast <= 0.65, done
     finally:
         s.close()
+
+
+def test_a_stopping_worker_hands_back_its_prefetched_batch_and_finishes_the_running_one(tmp_path: Path) -> None:
+    """SIGTERM (a scale-down, a rollout): the running batch finishes there, the one waiting in its queue goes
+    to the other worker, nobody is blamed and nobody waits past the batch times."""
+    s = Stack(tmp_path, sim_batch_ms=1500, heartbeat_interval_s=0.25, heartbeat_stale_factor=4,
+              dispatch_lead_ms=60_000, wait_mode="fixed", max_wait_ms=50)
+    try:
+        s.start_worker(0, sim_batch_ms=8000)  # long enough for gpu1 to start while it runs
+        s.start_batcher()
+        s.start_web(workers=1)
+        s.wait_ready(workers=1)
+        first = send(s, [f"first {uuid.uuid4().hex}" for _ in range(1)])
+        wait_for(lambda: s.fleet()["gpu0@test"]["state"] == "busy", 20, "the first batch to start")
+        texts = [f"second {uuid.uuid4().hex}" for _ in range(5)]
+        second = send(s, texts)  # the lead lets this batch go to gpu0's queue at once, behind the running one
+        wait_for(lambda: s.fleet()["gpu0@test"]["outstanding"] == 2, 20, "a batch waiting in gpu0's queue")
+        s.start_worker(1)
+        s.wait_ready(workers=2)
+        s.kill("gpu0", signal.SIGTERM)
+        assert "Warm shutdown" in s.log("gpu0") and first[0].result().status_code == 200
+        for text, future in zip(texts, second):
+            r = future.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["output"] == expected(text)
+        assert "handing it back unstarted" in s.log("gpu0") or "handed back" in s.log("gpu0")
+        assert not json.loads(s.admin("quarantine", "list", "--json").stdout)
+    finally:
+        s.close()
