@@ -62,6 +62,13 @@ class TenantOverLimit(QueueFull):
     type = "tenant_over_limit"
 
 
+class Overloaded(QueueFull):
+    """Raised when this API process is too busy to take the request now (its Redis or broker connections
+    stayed taken for seconds): refused rather than left to time out; retry shortly, or on another host."""
+
+    type = "overloaded"
+
+
 class Unavailable(BatchingError):
     """Raised when RabbitMQ or Redis cannot be reached, or no GPU worker is alive."""
 

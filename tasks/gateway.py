@@ -24,6 +24,7 @@ from tasks.errors import (
     DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
+    Overloaded,
     PoisonInput,
     QueueFull,
     RetriesExhausted,
@@ -31,13 +32,42 @@ from tasks.errors import (
     Unavailable,
 )
 from tasks.fleet import Fleet, WorkerInfo
-from tasks.queues import PublishTimeout, RequestPublisher
+from tasks.queues import PublisherBusy, PublishTimeout, RequestPublisher
 from tasks.results import ResultListener
 from tasks.schema import InferenceRequest, Item, ItemResult, input_hash
 
 log = logging.getLogger(__name__)
 
 BROKER_ERRORS = (KombuError, AMQPError, OSError)
+
+
+class PoolExhausted(redis.ConnectionError):
+    """No pooled Redis connection came free in time: this process is overloaded (Redis itself may be fine)."""
+
+
+class WaitingPool(redis.BlockingConnectionPool):
+    """redis-py's blocking pool, telling an exhausted pool apart from an unreachable Redis."""
+
+    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().get_connection(*args, **kwargs)
+        except redis.ConnectionError as exc:
+            if "No connection available" in str(exc):  # redis-py's words for its pool's timeout
+                raise PoolExhausted(f"all {self.max_connections} Redis connections stayed busy for "
+                                    f"{self.timeout} s") from None
+            raise
+
+
+def redis_client(settings: Settings) -> redis.Redis:
+    """The Redis client of an API process: one bounded pool shared by all of its waiting callers."""
+    return redis.Redis(connection_pool=WaitingPool.from_url(
+        settings.redis_url, max_connections=settings.redis_pool_size, timeout=5, socket_timeout=5,
+        socket_connect_timeout=2))
+
+
+def _overloaded(exc: Exception) -> Overloaded:
+    return Overloaded(f"this API process is overloaded ({exc}); retry in a moment",
+                      retry_after_s=1)
 
 # Error types a worker or the batcher writes into an item's result, and what the caller gets for each.
 _ERRORS: dict[str, type[BatchingError]] = {
@@ -66,6 +96,7 @@ class Call:
     weight: float = 1.0  # the tenant's share of batch slots when tenants compete
     priority: str = "interactive"  # or "offline"
     tenant_cap: int | None = None  # the tenant's in-flight cap (None: only the global caps)
+    received_at: float | None = None  # when it reached this host (monotonic): its deadline counts from then
 
 
 @dataclass(frozen=True)
@@ -101,6 +132,8 @@ class Gateway:
         if now - self._workers_checked > self.settings.heartbeat_interval_s / 2:
             try:
                 self._workers = self.fleet.live(time.time())
+            except PoolExhausted as exc:
+                raise _overloaded(exc) from None
             except redis.RedisError as exc:
                 raise Unavailable(f"Redis is unreachable: {exc}") from None
             self._workers_checked = now
@@ -173,14 +206,29 @@ class Gateway:
             pass
 
     def _enter(self, call: Call) -> tuple[list[str], float, float]:
-        """Admit and publish a call; returns its item ids, monotonic deadline and acceptance time."""
-        deadline = time.monotonic() + call.timeout_ms / 1000
+        """Admit and publish a call; returns its item ids, monotonic deadline and acceptance time.
+
+        The deadline counts from when the call reached this host: under a burst, time spent waiting for the
+        CPU before the handler ran is the caller's time too. A call whose remaining time could not cover one
+        batch is refused now (it would only be answered late): 504 if its timeout never could, 429 if the
+        wait at the door took it."""
+        now = time.monotonic()
+        deadline = (call.received_at or now) + call.timeout_ms / 1000
+        remaining_s = deadline - now
+        shortest_s = self._shortest_answer_s(call.model)
+        if call.timeout_ms / 1000 < shortest_s:
+            raise DeadlineExceeded(f"a timeout of {call.timeout_ms} ms is shorter than one batch of {call.model!r} "
+                                   f"takes ({shortest_s * 1000:.0f} ms): it could never be met")
+        if remaining_s < shortest_s:
+            raise Overloaded(f"this API process took {(now - (call.received_at or now)) * 1000:.0f} ms to get "
+                             f"to the request, leaving too little of its {call.timeout_ms} ms to answer it; retry "
+                             "in a moment", retry_after_s=self.settings.retry_after_s)
         accepted_at = time.time()
         items = tuple(Item(id=uuid.uuid4().hex, input=text) for text in call.inputs)
         ids = [i.id for i in items]
         request = InferenceRequest(
             id=call.request_id, tenant=call.tenant, model=call.model, items=items,
-            accepted_at=accepted_at, deadline=accepted_at + call.timeout_ms / 1000, reply_to=self.reply_to,
+            accepted_at=accepted_at, deadline=accepted_at + remaining_s, reply_to=self.reply_to,
             params=call.params, weight=call.weight, priority=call.priority,
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
@@ -188,8 +236,10 @@ class Gateway:
         try:
             self._keep_lease()
             verdict, bad_hash = self.admission.try_admit(
-                ids, hashes, ticket=ticket, now=accepted_at, timeout_s=call.timeout_ms / 1000,
-                model_cap=self.cap_for(call.model, call.timeout_ms / 1000), tenant_cap=call.tenant_cap)
+                ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
+                model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap)
+        except PoolExhausted as exc:
+            raise _overloaded(exc) from None
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         if verdict is Verdict.QUARANTINED:
@@ -217,12 +267,23 @@ class Gateway:
                 self.publisher.publish(request, budget)
             except PublishTimeout as exc:
                 raise Unavailable(f"{exc} (is it blocked by a memory or disk alarm?); retry later") from None
+            except PublisherBusy as exc:
+                raise _overloaded(exc) from None
             except BROKER_ERRORS as exc:
                 raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
         except BaseException:
             self._release(ticket, ids)
             raise
         return ids, deadline, accepted_at
+
+    def _shortest_answer_s(self, model: str) -> float:
+        """The least time in which a new call could be answered: one batch on the model's fastest worker
+        (0 while nothing is measured, or when the model is not served: that refusal comes later)."""
+        try:
+            times = [w.batch_ms_estimate / 1000 for w in self.live_workers() if w.model == model]
+        except BatchingError:
+            return 0.0
+        return min((t for t in times if t > 0), default=0.0)
 
     def _keep_lease(self) -> None:
         """Start renewing this process's admission lease (once, lazily: after gunicorn forked it)."""

@@ -16,6 +16,7 @@ import socket
 import time
 
 from kombu import Connection, Queue
+from kombu.exceptions import LimitExceeded
 from kombu.pools import ProducerPool
 
 from tasks.schema import InferenceRequest
@@ -26,6 +27,11 @@ PUBLISH_ATTEMPTS = 3  # connection errors while publishing a request: reconnect 
 
 class PublishTimeout(TimeoutError):
     """Raised when the broker does not confirm a publish in time (blocked by an alarm, or unreachable)."""
+
+
+class PublisherBusy(Exception):
+    """Raised when no pooled broker connection came free within the publish budget (this process is
+    overloaded, not the broker down)."""
 
 
 def request_queue(name: str) -> Queue:
@@ -61,7 +67,15 @@ class RequestPublisher:
             remaining = give_up - time.monotonic()
             if remaining <= 0:
                 break
-            with self.producers.acquire(block=True, timeout=remaining) as producer:
+            try:
+                acquired = self.producers.acquire(block=True, timeout=remaining)
+            except LimitExceeded:
+                raise PublisherBusy(f"all {self.pool.limit} broker connections of this API process stayed busy "
+                                    f"for {timeout_s:.1f} s") from None
+            with acquired as producer:
+                remaining = give_up - time.monotonic()  # the wait for a connection came out of the budget
+                if remaining <= 0:
+                    break
                 try:
                     producer.publish(
                         body, exchange="", routing_key=self.queue.name, declare=[self.queue],

@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import subprocess
 from collections.abc import Callable
 from dataclasses import replace
@@ -26,6 +27,7 @@ from tasks.tenants import (
     TenantPolicy,
     TenantRecord,
     hash_key,
+    key_id_of,
     new_key,
 )
 from tests.stack import BIN, ROOT
@@ -68,14 +70,33 @@ class FakeClock:
         return self.t
 
 
+class FakeSleep:
+    """Sleeping advances the fake clock (and is counted)."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.clock = clock
+        self.slept: list[float] = []
+
+    def __call__(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.clock.t += seconds
+
+
 class Counting:
-    """Counts calls through to the store's lookups."""
+    """Counts calls through to the store's lookups: per key or tenant (``calls``), and whole key lists (``lists``)."""
 
     def __init__(self, store: KeyStore) -> None:
         self.calls = 0
+        self.lists = 0
         self.store = store
         for name in ("authenticate", "policy"):
             setattr(store, name, self._counted(getattr(store, name)))
+        listing = store.active_keys
+
+        def active_keys() -> dict[str, str]:
+            self.lists += 1
+            return listing()
+        store.active_keys = active_keys  # type: ignore[method-assign]
 
     def _counted(self, fn: Callable[[str], object]) -> Callable[[str], object]:
         def call(arg: str) -> object:
@@ -182,33 +203,81 @@ def test_a_revoked_key_works_until_the_ttl_then_never(sqlite_store: KeyStore) ->
     assert "llmb-admin keys create <tenant>" in refused.value.message
 
 
-def test_missing_and_unknown_keys_are_refused_and_misses_are_cached(sqlite_store: KeyStore) -> None:
+def test_missing_and_unknown_keys_are_refused_without_a_query_each(sqlite_store: KeyStore) -> None:
     clock = FakeClock()
-    directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
+    directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock, sleep=FakeSleep(clock))
     counting = Counting(sqlite_store)
     for missing in (None, ""):
         with pytest.raises(Unauthorized, match="needs an API key"):
             directory.principal(missing)
     with pytest.raises(Unauthorized, match="unknown or revoked"):
         directory.principal("not-a-key")
-    assert counting.calls == 0, "malformed keys never reach the database"
+    assert counting.calls == counting.lists == 0, "malformed keys never reach the database"
 
     _, unknown = new_key()
     for _ in range(3):
         with pytest.raises(Unauthorized, match="unknown or revoked"):
             directory.principal(unknown)
-    assert counting.calls == 1, "a miss is cached too"
+    assert (counting.calls, counting.lists) == (0, 1), "one list of the active keys, no lookup of this one"
     clock.t += 5
     with pytest.raises(Unauthorized):
         directory.principal(unknown)
-    assert counting.calls == 2
+    assert (counting.calls, counting.lists) == (0, 2), "the list is read again once per ttl"
 
+    clock.t += 1
     _, key = sqlite_store.create_key("team-a")
     for _ in range(3):
         directory.principal(key)
-    assert counting.calls == 3
-    slots = list(directory._principals._entries)
-    assert hash_key(key) in slots and not [s for s in slots if key in s or unknown in s], "cached by hash only"
+    assert (counting.calls, counting.lists) == (1, 3), "a valid key: the list read again, one lookup, then cached"
+    cached = [*directory._principals._entries, *directory._misses._expiry]
+    assert hash_key(key) in cached and not [s for s in cached if key in s or unknown in s], "cached by hash only"
+
+
+def test_a_key_issued_after_the_list_was_read_works_after_one_shared_wait(sqlite_store: KeyStore) -> None:
+    clock = FakeClock()
+    sleep = FakeSleep(clock)
+    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=clock, sleep=sleep)
+    counting = Counting(sqlite_store)
+    _, old = sqlite_store.create_key("team-a")
+    directory.principal(old)
+    assert counting.lists == 1 and sleep.slept == []
+    clock.t += 0.25
+    key_id, fresh = sqlite_store.create_key("team-b")
+    assert directory.principal(fresh).key_id == key_id, "issued after the list was read: not refused"
+    assert sleep.slept == [pytest.approx(0.75)], "the list is read again at most once a second"
+    assert counting.lists == 2
+    assert directory.principal(fresh).key_id == key_id and counting.lists == 2
+
+
+def test_a_flood_of_random_keys_costs_one_query_a_second_and_evicts_no_valid_key(sqlite_store: KeyStore) -> None:
+    clock = FakeClock()
+    sleep = FakeSleep(clock)
+    directory = TenantDirectory(sqlite_store, ttl_s=1000.0, clock=clock, max_entries=3, max_misses=50, sleep=sleep)
+    counting = Counting(sqlite_store)
+    valid = [sqlite_store.create_key(f"team-{i}")[1] for i in range(3)]
+    for key in valid:
+        directory.principal(key)
+    assert (counting.calls, counting.lists) == (3, 1)
+
+    started = clock.t
+    for _ in range(200):
+        clock.t += 0.01
+        with pytest.raises(Unauthorized):
+            directory.principal(new_key()[1])
+    assert counting.calls == 3, "no random key is looked up on its own"
+    assert counting.lists - 1 <= math.ceil(clock.t - started), "at most one read of the key list a second"
+    assert max(sleep.slept) <= 1.0, "and none waits longer than a second for it"
+    assert len(directory._misses) == 50 and len(directory._principals) == 3, "refusals are bounded on their own"
+    for key in valid:
+        directory.principal(key)
+    assert counting.calls == 3, "every valid key is still cached"
+
+    key_id = key_id_of(valid[0])
+    forged = f"llmb_{key_id}_{'x' * 43}"  # key ids are public: a guess at one costs no query either
+    lists = counting.lists
+    with pytest.raises(Unauthorized):
+        directory.principal(forged)
+    assert counting.calls == 3 and counting.lists == lists
 
 
 def test_a_database_outage_serves_what_was_seen_and_503s_the_rest(sqlite_store: KeyStore,
@@ -246,19 +315,17 @@ def test_a_database_outage_serves_what_was_seen_and_503s_the_rest(sqlite_store: 
         directory.principal(key)
 
 
-def test_the_cache_is_bounded(sqlite_store: KeyStore) -> None:
-    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=FakeClock(), max_entries=3)
+def test_the_caches_are_bounded(sqlite_store: KeyStore) -> None:
+    clock = FakeClock()
+    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=clock, max_entries=3, sleep=FakeSleep(clock))
     counting = Counting(sqlite_store)
-    keys = [new_key()[1] for _ in range(5)]
+    keys = [sqlite_store.create_key(f"team-{i}")[1] for i in range(5)]
     for key in keys:
-        with pytest.raises(Unauthorized):
-            directory.principal(key)
+        directory.principal(key)
     assert len(directory._principals) == 3 and counting.calls == 5
-    with pytest.raises(Unauthorized):
-        directory.principal(keys[-1])
+    directory.principal(keys[-1])
     assert counting.calls == 5, "the newest stay"
-    with pytest.raises(Unauthorized):
-        directory.principal(keys[0])
+    directory.principal(keys[0])
     assert counting.calls == 6, "the oldest went"
 
 

@@ -18,6 +18,7 @@ from tasks.errors import InvalidInput, Unavailable
 from tasks.gateway import Gateway
 from tasks.tenants import KeyStore
 from webapp import tenancy
+from webapp.body import read_json
 from webapp.errors import error_response
 
 bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
@@ -47,7 +48,7 @@ def _bad_value(exc: ValueError) -> Response:
 
 
 def _json_object() -> dict[str, Any]:
-    body = request.get_json(force=True)
+    body = read_json(current_app.extensions["llmb_settings"])
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
     return body

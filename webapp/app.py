@@ -14,14 +14,17 @@ from flask import Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 
 from tasks.config import Settings
-from tasks.gateway import Answer, Gateway
+from tasks.gateway import Answer, Gateway, redis_client
 from tasks.logs import setup_logging
 from tasks.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
 from tasks.queues import RequestPublisher
 from tasks.tenants import KeyStore, TenantDirectory
 from webapp import admin_api, openai_api, tenancy
+from webapp.body import read_json
+from webapp.door import Door
 from webapp.errors import register_error_handlers
 from webapp.validation import bind, parse_infer, request_id_from
+from webapp.worker import arrival
 
 log = logging.getLogger("llmb.web")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -32,9 +35,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     setup_logging(settings)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    client = redis.Redis(connection_pool=redis.BlockingConnectionPool.from_url(
-        settings.redis_url, max_connections=settings.redis_pool_size, timeout=5,
-        socket_timeout=5, socket_connect_timeout=2))
+    client = redis_client(settings)
     publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
                                  settings.persistent_requests)
     app.extensions["llmb"] = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
@@ -43,16 +44,26 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["llmb_tenants"] = TenantDirectory(keys, ttl_s=settings.auth_cache_s)
     app.extensions["llmb_settings"] = settings
     app.extensions["llmb_metrics"] = metrics_registry(settings, client, publisher)
+    door = Door.from_settings(settings)
+    app.extensions["llmb_door"] = door
 
     @app.before_request
     def _correlate() -> None:
         g.request_id = request_id_from(request.headers.get("X-Request-Id"))
-        g.started = time.monotonic()
+        g.started = arrival()  # under a burst, the accept can be well before this handler runs
+        if request.method == "POST" and is_inference(request.path):
+            door.enter()  # over this process's share: 429 at once, before the body, Redis or the database
+            g.in_door = True
+
+    @app.teardown_request
+    def _leave(_exc: BaseException | None) -> None:
+        if g.pop("in_door", False):
+            door.leave()
 
     @app.after_request
     def _account(response: Response) -> Response:
         response.headers["X-Request-Id"] = g.get("request_id", "")
-        if request.path == "/v1/infer" or request.path.startswith(OPENAI_PATHS):
+        if is_inference(request.path):
             log_outcome(response)
         return response
 
@@ -64,6 +75,10 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.add_url_rule("/readyz", view_func=readyz)
     app.add_url_rule("/metrics", view_func=metrics)
     return app
+
+
+def is_inference(path: str) -> bool:
+    return path == "/v1/infer" or path.startswith(OPENAI_PATHS)
 
 
 def metrics_registry(settings: Settings, client: redis.Redis, publisher: RequestPublisher) -> CollectorRegistry:
@@ -105,10 +120,10 @@ def _gateway() -> Gateway:
 def infer() -> Response:
     settings: Settings = current_app.extensions["llmb_settings"]
     keyed = tenancy.caller() if settings.auth != "none" else None  # 401 before anything else
-    body = request.get_json(force=True)
+    body = read_json(settings)
     call = parse_infer(body, settings, g.request_id, request.headers.get("X-Tenant"))
     claimed = body.get("tenant") or request.headers.get("X-Tenant")
-    call = bind(call, keyed or tenancy.caller(call.tenant), settings, claimed_tenant=claimed)
+    call = bind(call, keyed or tenancy.caller(call.tenant), settings, claimed_tenant=claimed, received_at=g.started)
     g.tenant = call.tenant
     answer = _gateway().submit(call)
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))

@@ -13,8 +13,8 @@ from tasks.errors import BatchingError
 
 log = logging.getLogger("llmb.web")
 
-HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 413: "payload_too_large",
-              415: "unsupported_media_type"}
+HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
+              413: "payload_too_large", 415: "unsupported_media_type"}
 
 
 def error_response(status: int, type_: str, message: str, retry_after_s: int | None = None) -> Response:
@@ -37,8 +37,6 @@ def register_error_handlers(app: Flask) -> None:
         message = exc.description or exc.name
         if status == 413:
             message = f"request body larger than {app.config['MAX_CONTENT_LENGTH']} bytes"
-        elif status == 400:
-            message = "the body is not valid JSON" if "JSON" in (exc.description or "") else message
         return error_response(status, HTTP_TYPES.get(status, "http_error"), message)
 
     @app.errorhandler(Exception)

@@ -1,25 +1,72 @@
 """gunicorn settings: gevent workers, so one process holds thousands of callers waiting on their results.
 
+The door holds every caller the admission caps admit (invariant 8): with ``LLMB_WEB_CONNECTIONS=0`` (the default)
+each worker process takes its share of ``LLMB_ADMISSION_CAP + LLMB_OFFLINE_ADMISSION_CAP`` plus
+:data:`REFUSAL_MARGIN` connections, on which the excess is refused fast (429, see :mod:`webapp.door`) instead of
+waiting unanswered in the kernel's accept queue. The file-descriptor limit is raised to match and the listen
+backlog sized for a burst of that many connections.
+
+Time limits on the way in: a request's headers must arrive within ``keepalive`` seconds (gunicorn's gevent
+worker wraps each header parse, the first request's included, in ``gevent.Timeout(keepalive)`` and closes the
+connection silently when it fires: measured, one header byte per second is cut off after 5 s); its body within
+``LLMB_BODY_TIMEOUT_S`` (:mod:`webapp.body`, 408). ``keepalive`` must therefore never be 0 here: without it,
+gunicorn parses headers with no time limit at all.
+
 Prometheus counters of the API processes use prometheus_client's multiprocess mode: each worker writes
 its figures to files in PROMETHEUS_MULTIPROC_DIR (a fresh folder per server unless you set one), and
 /metrics adds them up across workers.
 """
+import math
 import os
+import resource
 import shutil
 import tempfile
 from typing import Any
 
 from tasks.config import Settings
 
+REFUSAL_MARGIN = 1000  # connections per worker beyond its share of the caps, on which the excess is refused fast
+SPARE_FDS = 256  # per worker, beyond its connections: Redis and RabbitMQ pools, the database, logs, metrics files
+
+
+def connections_per_worker(settings: Settings) -> int:
+    """LLMB_WEB_CONNECTIONS, or (0) this worker's share of both admission caps plus the refusal margin.
+
+    The share is the one :func:`webapp.door.process_share` refuses beyond (not imported: this module loads in
+    gunicorn's master, which must not import the app and its gevent-sensitive clients before the fork).
+    """
+    if settings.web_connections > 0:
+        return settings.web_connections
+    share = math.ceil((settings.admission_cap + settings.offline_admission_cap) / max(1, settings.web_workers))
+    return share + REFUSAL_MARGIN
+
+
+def raise_fd_limit(wanted: int) -> tuple[int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (workers inherit it); (soft, hard) after."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = hard if hard != resource.RLIM_INFINITY else max(soft, wanted)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    return soft, hard
+
+
 _settings = Settings.from_env()
 
 bind = _settings.web_bind
 workers = _settings.web_workers
-worker_class = "gevent"
-worker_connections = _settings.web_connections
+worker_class = "webapp.worker.ArrivalTimingWorker"  # gevent, noting when connections arrive
+worker_connections = connections_per_worker(_settings)
+backlog = max(2048, worker_connections)  # the kernel caps it at net.core.somaxconn
 graceful_timeout = 10
-keepalive = 5
+keepalive = 5  # also the time limit on a request's headers (see above): keep it > 0
 accesslog = None  # one structured line per request comes from the app instead
+
+_fds_wanted = worker_connections + SPARE_FDS
+_fd_soft, _fd_hard = raise_fd_limit(_fds_wanted)
 
 _metrics_dir = os.environ.setdefault(
     "PROMETHEUS_MULTIPROC_DIR",
@@ -27,9 +74,28 @@ _metrics_dir = os.environ.setdefault(
 )
 
 
+def _somaxconn() -> int | None:
+    try:
+        with open("/proc/sys/net/core/somaxconn") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
+
+
 def on_starting(server: Any) -> None:
     shutil.rmtree(_metrics_dir, ignore_errors=True)
     os.makedirs(_metrics_dir, exist_ok=True)
+    server.log.info("%d worker(s) x %d connections, listen backlog %d, file descriptors %d per process",
+                    workers, worker_connections, backlog, _fd_soft)
+    if _fd_soft != resource.RLIM_INFINITY and _fd_soft < _fds_wanted:
+        server.log.warning("the file-descriptor limit (soft %d, hard %d) is below the %d each worker needs for %d "
+                           "connections: callers past it are refused by the kernel; raise the hard limit "
+                           "(ulimit -Hn, systemd LimitNOFILE=) or lower LLMB_WEB_CONNECTIONS", _fd_soft, _fd_hard,
+                           _fds_wanted, worker_connections)
+    somaxconn = _somaxconn()
+    if somaxconn is not None and somaxconn < backlog:
+        server.log.warning("net.core.somaxconn is %d, below the listen backlog %d: a burst of connections past it "
+                           "is dropped by the kernel; raise it with sysctl", somaxconn, backlog)
 
 
 def child_exit(server: Any, worker: Any) -> None:

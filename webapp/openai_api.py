@@ -19,6 +19,7 @@ from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
 from tasks.gateway import Call, Gateway
 from webapp import tenancy
+from webapp.body import read_json
 from webapp.openai_schema import (
     chat_response,
     chunk,
@@ -33,8 +34,8 @@ from webapp.validation import bind
 bp = Blueprint("openai", __name__)
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+                404: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 T = TypeVar("T")
 KIND_FOR = {"completions": ("causal",), "chat": ("causal",), "embeddings": ("embed",)}
 
@@ -64,7 +65,9 @@ def _batching_error(exc: BatchingError) -> Response:
 @bp.errorhandler(HTTPException)
 def _http_error(exc: HTTPException) -> Response:
     status = exc.code or 500
-    message = "the body is not valid JSON" if status == 400 else (exc.description or exc.name)
+    message = exc.description or exc.name
+    if status == 413:
+        message = f"request body larger than {current_app.config['MAX_CONTENT_LENGTH']} bytes"
     return openai_error(status, "invalid_request" if status == 400 else exc.name.lower().replace(" ", "_"),
                         message)
 
@@ -84,7 +87,7 @@ def _tenant() -> str:
 def _parsed(parse: Callable[[Any, Settings, str, str], tuple[Call, T]]) -> tuple[Call, T]:
     """Authenticate (before the body is read), parse the body, and give the call its tenant's policy."""
     _authenticate()
-    body = request.get_json(force=True)
+    body = read_json(_settings())
     call, extra = parse(body, _settings(), g.request_id, _tenant())
     return _bind(call, body), extra
 
@@ -103,7 +106,7 @@ def _bind(call: Call, body: Any) -> Call:
     settings = _settings()
     principal = tenancy.caller() if settings.auth != "none" else tenancy.caller(call.tenant)
     g.tenant = principal.tenant.name
-    return bind(call, principal, settings, claimed_tenant=request.headers.get("X-Tenant"))
+    return bind(call, principal, settings, claimed_tenant=request.headers.get("X-Tenant"), received_at=g.started)
 
 
 def _run(call: Call, endpoint: str) -> Any:

@@ -17,6 +17,8 @@ from tasks.gateway import Call
 from tasks.schema import ItemResult
 from webapp.validation import check_model, timeout_limit_ms
 
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed takes
+
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
     value = body.get(name, default)
@@ -52,8 +54,8 @@ def generation_params(body: dict[str, Any], settings: Settings, *, default_max_t
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise InvalidInput("'stop' must be a string or a list of up to 4 non-empty strings")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise InvalidInput("'seed' must be an integer")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+        raise InvalidInput(f"'seed' must be an integer from {SEED_MIN} to {SEED_MAX}")
     return {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
             "top_p": _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, "stop": stop or [], "seed": seed}
 

@@ -80,7 +80,8 @@ def parse_priority(value: Any) -> str:
     return str(value)
 
 
-def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant: str | None = None) -> Call:
+def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant: str | None = None,
+         received_at: float | None = None) -> Call:
     """Give a parsed call its tenant's weight, cap and priority class.
 
     With keys, the tenant is the key's: a call that names another tenant is refused. The request may ask to be
@@ -97,4 +98,4 @@ def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant
         raise InvalidInput(f"'timeout_ms' must be at most {settings.max_timeout_ms} for interactive requests; "
                            "longer deadlines need \"priority\": \"offline\"")
     return replace(call, tenant=policy.name, weight=policy.weight, priority=str(priority),
-                   tenant_cap=policy.max_in_flight)
+                   tenant_cap=policy.max_in_flight, received_at=received_at)

@@ -1,0 +1,395 @@
+"""The front door (invariant 8): every body read by one reader, bounded in size and time, decoded strictly;
+hostile bodies get a clean 4xx, never a 500; slow bodies 408; the door holds every caller the caps admit and
+refuses the excess at once.
+
+Three levels: :func:`webapp.body.parse_json` alone, the Flask app in process (every route kind, the door's
+counter), and real gunicorn processes (raw sockets for slow clients, 3,000 connections at once).
+"""
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+from flask import Flask
+from flask.testing import FlaskClient
+
+from tasks.config import Settings
+from tasks.errors import InvalidInput
+from tasks.ledger import Base, make_engine
+from tasks.tenants import ApiKeyRecord, KeyStore, TenantRecord
+from tests.helpers import assert_json_error, expected, post
+from tests.stack import ROOT, Stack, wait_for
+from webapp import create_app
+from webapp.body import parse_json
+
+DEEP_OBJECT = b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+HOSTILE: dict[str, bytes] = {
+    "nested 5,000 deep": DEEP_OBJECT,
+    "5,000 open brackets": b"[" * 5000,
+    "a million open brackets": b"[" * 1_000_000,
+    "a lone high surrogate": rb'{"input": "\ud800"}',
+    "a lone low surrogate in a list": rb'{"inputs": ["ok", "\uDC00 alone"]}',
+    "a reversed pair": rb'{"input": "\ude00\ud83d"}',
+    "a lone surrogate in a key": rb'{"\ud800": "x", "input": "y"}',
+    "malformed": b'{"input": "a" "b"}',
+    "truncated": b'{"input": "a',
+    "not UTF-8": b"\xff\xfe\x00garbage",
+    "NaN": b'{"input": "a", "timeout_ms": NaN}',
+    "an integer of 5,000 digits": b'{"input": "a", "timeout_ms": ' + b"9" * 5000 + b"}",
+    "empty": b"",
+}
+WRONG: dict[str, Any] = {
+    "a list": ["input"],
+    "a number for input": {"input": 42},
+    "objects in inputs": {"inputs": [{"a": 1}]},
+    "101 inputs": {"inputs": ["x"] * 101},
+    "100,000 inputs": {"inputs": ["x"] * 100_000},
+    "a nested timeout": {"input": "x", "timeout_ms": [[[1]]]},
+}
+
+
+# -- the parser alone -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_bodies_are_invalid_input_with_a_reason(name: str) -> None:
+    with pytest.raises(InvalidInput) as info:
+        parse_json(HOSTILE[name])
+    assert info.value.message.startswith("the body ")
+
+
+def test_the_reasons_say_what_is_wrong_and_where() -> None:
+    with pytest.raises(InvalidInput, match="not valid JSON: Expecting ',' delimiter at line 1 column 15"):
+        parse_json(b'{"input": "a" "b"}')
+    with pytest.raises(InvalidInput, match="nested too deeply"):
+        parse_json(DEEP_OBJECT)
+    with pytest.raises(InvalidInput, match=r"lone UTF-16 surrogate escape \(\\ud800"):
+        parse_json(rb'{"input": "\ud800"}')
+    with pytest.raises(InvalidInput, match="not UTF-8 text"):
+        parse_json(b'{"input": "\xed\xa0\x80"}')  # a surrogate as raw bytes is no UTF-8 either
+
+
+def test_valid_pairs_nul_and_escaped_backslashes_are_accepted() -> None:
+    assert parse_json(rb'{"input": "\ud83d\ude00 \uD83D\uDE00"}') == {"input": "\U0001f600 \U0001f600"}
+    assert parse_json(b'{"input": "a\\u0000b"}') == {"input": "a\x00b"}
+    assert parse_json(rb'{"input": "\\ud800 is text, not an escape"}') == {"input": "\\ud800 is text, not an escape"}
+    assert parse_json(json.dumps({"input": "é" * 1000}, ensure_ascii=False).encode()) == {"input": "é" * 1000}
+
+
+# -- the app in process: every route reads its body the same way -----------------------------------------------
+@pytest.fixture
+def app(tmp_path: Path) -> Flask:
+    database_url = f"sqlite:///{tmp_path / 'keys.db'}"
+    Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
+    settings = Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
+                                            "database_url": database_url, "max_body_bytes": 16384,
+                                            "body_timeout_s": 0.3, "admission_cap": 1, "offline_admission_cap": 1,
+                                            "web_workers": 1})
+    return create_app(settings)
+
+
+@pytest.fixture
+def client(app: Flask) -> FlaskClient:
+    return app.test_client()
+
+
+def _admin_headers(app: Flask) -> dict[str, str]:
+    store: KeyStore = app.extensions["llmb_keys"]
+    return {"Authorization": f"Bearer {store.create_key('ops', admin=True)[1]}"}
+
+
+def _assert_clean(response: Any, status: int, *, openai: bool) -> dict[str, Any]:
+    assert response.status_code == status, response.data[:300]
+    assert response.headers["Content-Type"].startswith("application/json")
+    error: dict[str, Any] = response.get_json()["error"]
+    keys = {"message", "type", "param", "code"} if openai else {"message", "type", "request_id"}
+    assert set(error) == keys and error["message"] and "Traceback" not in error["message"]
+    return error
+
+
+ROUTES = [("POST", "/v1/infer", False), ("POST", "/v1/completions", True), ("POST", "/v1/chat/completions", True),
+          ("POST", "/v1/embeddings", True), ("PUT", "/v1/admin/tenants/team-a", False),
+          ("POST", "/v1/admin/keys", False)]
+
+
+@pytest.mark.parametrize(("method", "path", "openai"), ROUTES)
+def test_every_route_answers_hostile_bodies_with_a_clean_4xx(app: Flask, client: FlaskClient, method: str,
+                                                             path: str, openai: bool) -> None:
+    headers = _admin_headers(app) if "admin" in path else {}
+    for name in ("nested 5,000 deep", "a million open brackets", "a lone high surrogate", "malformed", "not UTF-8"):
+        body = HOSTILE[name][:16384] if name == "a million open brackets" else HOSTILE[name]
+        error = _assert_clean(client.open(path, method=method, data=body, headers=headers), 400, openai=openai)
+        assert error["message"].startswith("the body "), (name, error)
+    malformed = client.open(path, method=method, data=b'{"input": "a" "b"}', headers=headers)
+    assert "Expecting ',' delimiter at line 1 column 15" in malformed.get_json()["error"]["message"]
+    error = _assert_clean(client.open(path, method=method, data=b"[" * 20_000, headers=headers), 413, openai=openai)
+    assert "16384 bytes" in error["message"]
+
+
+class SlowStream(io.BytesIO):
+    """A request body arriving one byte per ``every_s``, or held until ``release`` is set."""
+
+    def __init__(self, body: bytes, every_s: float = 0.0, release: threading.Event | None = None) -> None:
+        super().__init__(body)
+        self.every_s = every_s
+        self.release = release
+        self.reads = 0
+
+    def readinto(self, b: Any) -> int:
+        self.reads += 1
+        if self.release is not None:
+            assert self.release.wait(20), "never released"
+        time.sleep(self.every_s)
+        data = self.read(1)
+        b[:len(data)] = data
+        return len(data)
+
+
+def test_a_slow_body_gets_408_in_process_without_gevent(client: FlaskClient) -> None:
+    body = b'{"input": "' + b"x" * 100 + b'"}'
+    started = time.monotonic()
+    r = client.post("/v1/infer", input_stream=SlowStream(body, every_s=0.02),
+                    headers={"Content-Length": str(len(body))})
+    elapsed = time.monotonic() - started
+    error = _assert_clean(r, 408, openai=False)
+    assert error["type"] == "request_timeout" and "0.3 s" in error["message"]
+    assert 0.3 <= elapsed < 1.0, elapsed
+
+
+def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: Flask) -> None:
+    """admission_cap 1 + offline 1 over one worker process: it holds two requests; the third gets 429 at once."""
+    release = threading.Event()
+    body = b'{"input": 5}'
+    held = [SlowStream(body, release=release) for _ in range(2)]
+    answers: list[Any] = []
+
+    def send(stream: SlowStream, path: str) -> None:
+        answers.append(app.test_client().post(path, input_stream=stream, headers={"Content-Length": str(len(body))}))
+
+    threads = [threading.Thread(target=send, args=(s, p)) for s, p in zip(held, ("/v1/infer", "/v1/completions"))]
+    for t in threads:
+        t.start()
+    door = app.extensions["llmb_door"]
+    wait_for(lambda: door.held == 2 and all(s.reads for s in held), 10, "two requests held")
+    for path, openai in (("/v1/infer", False), ("/v1/embeddings", True)):
+        third = SlowStream(body)
+        started = time.monotonic()
+        r = app.test_client().post(path, input_stream=third, headers={"Content-Length": str(len(body))})
+        error = _assert_clean(r, 429, openai=openai)
+        assert time.monotonic() - started < 0.5 and third.reads == 0, "refused before its body was read"
+        assert (error["code"] if openai else error["type"]) == "queue_full" and int(r.headers["Retry-After"]) >= 1
+    assert app.test_client().get("/healthz").status_code == 200, "only inference calls are counted"
+    release.set()
+    for t in threads:
+        t.join(10)
+    assert sorted(a.status_code for a in answers) == [400, 400]
+    assert door.held == 0
+
+
+def _gunicorn_conf(**env: object) -> dict[str, int]:
+    """The settings gunicorn reads from webapp/gunicorn_conf.py (in a process of their own: it raises limits)."""
+    code = ("import json, resource, webapp.gunicorn_conf as c; print(json.dumps({'connections': c.worker_connections,"
+            " 'backlog': c.backlog, 'fds': resource.getrlimit(resource.RLIMIT_NOFILE)[0]}))")
+    environ = {k: v for k, v in __import__("os").environ.items() if not k.startswith("LLMB_")}
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          env=environ | {f"LLMB_{k.upper()}": str(v) for k, v in env.items()})
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)  # type: ignore[no-any-return]
+
+
+def test_gunicorn_holds_a_share_of_both_caps_per_worker_plus_a_margin() -> None:
+    default = _gunicorn_conf()  # caps 10,000 + 10,000 over 2 workers
+    assert default["connections"] == 10_000 + 1000 and default["backlog"] >= default["connections"]
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    assert default["fds"] == hard or hard == resource.RLIM_INFINITY, "the soft fd limit is raised to the hard one"
+    assert _gunicorn_conf(admission_cap=1000, offline_admission_cap=501, web_workers=2)["connections"] == 751 + 1000
+    assert _gunicorn_conf(web_connections=123) == {**_gunicorn_conf(web_connections=123), "connections": 123}
+
+
+# -- real gunicorn -----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def door_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = Stack(Path(tmp_path_factory.mktemp("door")), body_timeout_s=1, sim_batch_ms=20)
+    try:
+        s.start_worker(0)
+        s.start_batcher()
+        s.start_web(workers=1)
+        s.wait_ready(workers=1)
+        yield s
+    finally:
+        s.close()
+
+
+def test_through_gunicorn_hostile_bodies_get_clean_json_and_odd_text_still_works(door_stack: Stack) -> None:
+    url = door_stack.url
+    for name, body in HOSTILE.items():
+        error = assert_json_error(post(url, data=body), 400, "invalid_request")
+        assert error["message"].startswith("the body "), (name, error)
+    for value in WRONG.values():
+        assert_json_error(post(url, value), 400, "invalid_request")
+    r = requests.post(url + "/v1/completions", data=DEEP_OBJECT, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_request", r.text
+
+    big = "é" * 500_000  # 1 MB of UTF-8, within LLMB_MAX_BODY_BYTES
+    r = post(url, data=json.dumps({"input": big}, ensure_ascii=False).encode())
+    assert r.status_code == 200 and r.json()["output"] == expected(big), r.text[:300]
+    for text in ("emoji \U0001f600 as an escaped pair", "nul \x00 inside"):
+        r = post(url, {"input": text})  # requests escapes non-ASCII: the emoji goes as \ud83d\ude00
+        assert r.status_code == 200 and r.json()["output"] == expected(text), r.text[:300]
+    too_big = json.dumps({"input": "é" * 600_000}, ensure_ascii=False).encode()
+    assert_json_error(post(url, data=too_big), 413, "payload_too_large")
+    chunked = requests.post(url + "/v1/infer", data=iter([b'{"input": "', b"x" * 2_000_000, b'"}']), timeout=30)
+    assert_json_error(chunked, 413, "payload_too_large")
+
+
+def _connect(url: str) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    return socket.create_connection((host, int(port)), timeout=10)
+
+
+def _read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float | None, float | None]:
+    """(bytes received, seconds to the first of them, seconds to the close), from now."""
+    started = time.monotonic()
+    got, first, closed = b"", None, None
+    sock.settimeout(0.1)
+    while time.monotonic() - started < limit_s:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        except ConnectionResetError:
+            closed = time.monotonic() - started
+            break
+        if not chunk:
+            closed = time.monotonic() - started
+            break
+        first = first if first is not None else time.monotonic() - started
+        got += chunk
+    return got, first, closed
+
+
+def test_a_body_trickling_in_gets_408_at_the_time_limit(door_stack: Stack) -> None:
+    sock = _connect(door_stack.url)
+    body = b'{"input": "' + b"x" * 200 + b'"}'
+    sock.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for byte in body[5:]:
+            if stop.wait(0.2):
+                return
+            try:
+                sock.send(bytes([byte]))
+            except OSError:
+                return
+
+    sender = threading.Thread(target=trickle, daemon=True)
+    sender.start()
+    got, first, closed = _read_until_closed(sock, 10)
+    stop.set()
+    sock.close()
+    assert first is not None and 0.8 <= first < 3.0, (first, got[:300])
+    head, _, payload = got.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), got[:300]
+    error = json.loads(payload)["error"]
+    assert error["type"] == "request_timeout" and "within 1 s" in error["message"]
+    assert closed is not None and closed < 1 + 5 + 2, "then the connection ends (gunicorn's keepalive drain)"
+
+
+def test_headers_trickling_in_are_cut_off_by_gunicorn(door_stack: Stack) -> None:
+    """Measured: gunicorn's gevent worker parses each request's headers under gevent.Timeout(keepalive = 5 s)."""
+    sock = _connect(door_stack.url)
+    sock.sendall(b"POST /v1/infer HTTP/1.1\r\n")
+    headers = b"Host: x\r\nContent-Type: application/json\r\nX-Padding: " + b"a" * 200 + b"\r\n\r\n"
+    started = time.monotonic()
+    closed_after = None
+    sock.settimeout(0.2)
+    for byte in headers:
+        try:
+            sock.send(bytes([byte]))
+            if sock.recv(4096) == b"":
+                closed_after = time.monotonic() - started
+                break
+        except TimeoutError:
+            continue
+        except OSError:
+            closed_after = time.monotonic() - started
+            break
+    sock.close()
+    assert closed_after is not None and closed_after < 5 + 2, closed_after
+
+
+def test_the_door_holds_3000_connections_and_refuses_past_its_share_at_once(tmp_path: Path) -> None:
+    """One worker process, caps 1,000 + 500: it holds 1,500 requests (their bodies unfinished) and answers the
+    other 1,500 with 429 before their bodies are complete; every one of the 3,000 gets an HTTP answer."""
+    total, share = 3000, 1500
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < total + 500:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, total * 2), hard))
+    stack = Stack(tmp_path, admission_cap=1000, offline_admission_cap=500, body_timeout_s=40)
+    try:
+        url = stack.start_web(workers=1)
+        host, port = url.removeprefix("http://").split(":")
+        results = asyncio.run(_hold_connections(host, int(port), total, share))
+        log = stack.log("web")
+    finally:
+        stack.close()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, f"{len(errors)} connections failed, e.g. {errors[:3]}"
+    early = [r for r in results if not isinstance(r, BaseException) and r[0]]
+    late = [r for r in results if not isinstance(r, BaseException) and not r[0]]
+    assert len(early) == total - share and len(late) == share, (len(early), len(late))
+    for _, status, headers, payload in early:
+        assert status == 429 and int(headers["retry-after"]) >= 1
+        assert json.loads(payload)["error"]["type"] == "queue_full"
+    assert {status for _, status, _, _ in late} == {400}, "held, then answered once their bodies came"
+    assert "Traceback" not in log
+
+
+async def _hold_connections(host: str, port: int, total: int, share: int) -> list[Any]:
+    body = b'{"input": 5}'
+    head = (b"POST /v1/infer HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body))
+    release = asyncio.Event()
+    early = [0]
+
+    async def one() -> tuple[bool, int, dict[str, str], bytes]:
+        reader, writer = await asyncio.open_connection(host, port)
+        try:
+            writer.write(head + body[:-1])
+            await writer.drain()
+            answer = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+            released = asyncio.ensure_future(release.wait())
+            done, _ = await asyncio.wait({answer, released}, return_when=asyncio.FIRST_COMPLETED)
+            refused_early = answer in done
+            released.cancel()
+            if refused_early:
+                early[0] += 1
+            else:
+                writer.write(body[-1:])
+                await writer.drain()
+            lines = (await asyncio.wait_for(answer, 30)).decode().split("\r\n")
+            headers = dict(line.lower().split(": ", 1) for line in lines[1:] if line)
+            payload = await reader.readexactly(int(headers["content-length"]))
+            return refused_early, int(lines[0].split()[1]), headers, payload
+        finally:
+            writer.close()
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(total)]
+    deadline = time.monotonic() + 40
+    while early[0] < total - share and time.monotonic() < deadline and not all(t.done() for t in tasks):
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.2)  # no more refusals come once the share is held
+    release.set()
+    return list(await asyncio.gather(*tasks, return_exceptions=True))
