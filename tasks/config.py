@@ -54,6 +54,7 @@ class Settings:
     max_inputs_per_call: int = 100
     max_body_bytes: int = 1_048_576
     body_timeout_s: float = 10.0
+    door_max_delay_ms: float = 1000.0
     default_timeout_ms: int = 30_000
     max_timeout_ms: int = 300_000
     retry_after_s: int = 1
@@ -170,6 +171,7 @@ DOCS: dict[str, str] = {
     "admission_cap": "Most interactive items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.",
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
+    "door_max_delay_ms": "An inference request whose API process got to it this long after accepting its connection (the process is CPU-bound: a burst) is refused at once with 429 overloaded, so the work already admitted is still answered in time.",
     "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",
     "max_timeout_ms": "Largest timeout_ms a caller may ask for.",

@@ -174,7 +174,9 @@ def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: 
     answers: list[Any] = []
 
     def send(stream: SlowStream, path: str) -> None:
-        answers.append(app.test_client().post(path, input_stream=stream, headers={"Content-Length": str(len(body))}))
+        answer = app.test_client().post(path, input_stream=stream, headers={"Content-Length": str(len(body))})
+        answer.close()  # as a WSGI server does once the response is sent: the door counts until then
+        answers.append(answer)
 
     threads = [threading.Thread(target=send, args=(s, p)) for s, p in zip(held, ("/v1/infer", "/v1/completions"))]
     for t in threads:
@@ -337,7 +339,9 @@ def test_the_door_holds_3000_connections_and_refuses_past_its_share_at_once(tmp_
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < total + 500:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, total * 2), hard))
-    stack = Stack(tmp_path, admission_cap=1000, offline_admission_cap=500, body_timeout_s=40)
+    # (the delay rule off: this test is about the share; 3,000 connections at once put a process seconds behind)
+    stack = Stack(tmp_path, admission_cap=1000, offline_admission_cap=500, body_timeout_s=40,
+                  door_max_delay_ms=600_000)
     try:
         url = stack.start_web(workers=1)
         host, port = url.removeprefix("http://").split(":")
@@ -393,3 +397,17 @@ async def _hold_connections(host: str, port: int, total: int, share: int) -> lis
     await asyncio.sleep(0.2)  # no more refusals come once the share is held
     release.set()
     return list(await asyncio.gather(*tasks, return_exceptions=True))
+
+
+def test_a_request_the_process_got_to_too_late_is_refused_before_anything_else() -> None:
+    """The door's own queue: past max_delay_s between a connection's accept and its handler, 429 overloaded."""
+    from tasks.errors import Overloaded
+    from webapp.door import Door
+
+    now = [100.0]
+    door = Door(limit=10, retry_after_s=1, max_delay_s=1.0, clock=lambda: now[0])
+    door.enter(arrived_at=99.5)
+    with pytest.raises(Overloaded) as refused:
+        door.enter(arrived_at=98.0)
+    assert "2000 ms behind" in refused.value.message and refused.value.status == 429
+    assert door.held == 1  # a refusal holds nothing

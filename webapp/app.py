@@ -21,10 +21,9 @@ from tasks.queues import RequestPublisher
 from tasks.tenants import KeyStore, TenantDirectory
 from webapp import admin_api, openai_api, tenancy
 from webapp.body import read_json
-from webapp.door import Door
+from webapp.door import Door, DoorMiddleware
 from webapp.errors import register_error_handlers
 from webapp.validation import bind, parse_infer, request_id_from
-from webapp.worker import arrival
 
 log = logging.getLogger("llmb.web")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -46,19 +45,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions["llmb_metrics"] = metrics_registry(settings, client, publisher)
     door = Door.from_settings(settings)
     app.extensions["llmb_door"] = door
+    app.wsgi_app = DoorMiddleware(app.wsgi_app, door, is_inference)  # type: ignore[method-assign]
 
     @app.before_request
     def _correlate() -> None:
         g.request_id = request_id_from(request.headers.get("X-Request-Id"))
-        g.started = arrival()  # under a burst, the accept can be well before this handler runs
-        if request.method == "POST" and is_inference(request.path):
-            door.enter()  # over this process's share: 429 at once, before the body, Redis or the database
-            g.in_door = True
-
-    @app.teardown_request
-    def _leave(_exc: BaseException | None) -> None:
-        if g.pop("in_door", False):
-            door.leave()
+        g.started = request.environ.get("llmb.arrived_at") or time.monotonic()  # the accept, under a burst
 
     @app.after_request
     def _account(response: Response) -> Response:

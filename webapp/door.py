@@ -9,11 +9,23 @@ callers already admitted.
 """
 from __future__ import annotations
 
+import json
 import math
 import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from tasks.config import Settings
-from tasks.errors import QueueFull
+from tasks.errors import Overloaded, QueueFull
+from tasks.metrics import HTTP_REQUESTS
+from webapp.errors import error_body, openai_error_body
+from webapp.validation import request_id_from
+from webapp.worker import arrival
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIEnvironment
+    from _typeshed.wsgi import WSGIApplication as WSGIApp
 
 
 def process_share(settings: Settings) -> int:
@@ -22,20 +34,33 @@ def process_share(settings: Settings) -> int:
 
 
 class Door:
-    """Counts the requests this process holds; :meth:`enter` refuses beyond ``limit``."""
+    """Counts the requests this process holds; :meth:`enter` refuses beyond ``limit``, and refuses any request
+    the process got to more than ``max_delay_s`` after it arrived.
 
-    def __init__(self, limit: int, retry_after_s: int) -> None:
+    The delay is the process's own queue: under a burst, thousands of connections wait for the CPU between
+    their accept and their handler. Admitting them anyway would let every admitted caller be answered late
+    (the answers queue behind the same CPU); refusing the late ones at this point costs a fraction of an
+    admission and lets the queue drain (like CoDel, with the delay measured per request, not sampled)."""
+
+    def __init__(self, limit: int, retry_after_s: int, max_delay_s: float = float("inf"),
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
+        self.max_delay_s = max_delay_s
+        self.clock = clock
         self.held = 0
         self._lock = threading.Lock()  # gevent's own lock once gunicorn's worker has monkey-patched threading
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Door:
-        return cls(process_share(settings), settings.retry_after_s)
+        return cls(process_share(settings), settings.retry_after_s, settings.door_max_delay_ms / 1000)
 
-    def enter(self) -> None:
-        """Count one more request held, or raise QueueFull (nothing counted) when the process holds its share."""
+    def enter(self, arrived_at: float | None = None) -> None:
+        """Count one more request held, or raise QueueFull (nothing counted) when the process holds its share,
+        or Overloaded when the request waited longer than ``max_delay_s`` for this process to get to it."""
+        if arrived_at is not None and (delay := self.clock() - arrived_at) > self.max_delay_s:
+            raise Overloaded(f"this API process is running {delay * 1000:.0f} ms behind (a burst); retry in "
+                             f"{self.retry_after_s} s", retry_after_s=self.retry_after_s)
         with self._lock:
             if self.held >= self.limit:
                 raise QueueFull(f"this API process holds {self.held} requests, its share of the admission caps; "
@@ -45,3 +70,66 @@ class Door:
     def leave(self) -> None:
         with self._lock:
             self.held -= 1
+
+
+class DoorMiddleware:
+    """The door in front of Flask: an inference request over the process's share, or one it got to too late,
+    is refused with a ready-made 429 before Flask, the body, Redis or the database are touched, so that
+    refusing a burst costs a small fraction of serving it. Requests let in are counted until their
+    response is closed (a stream included). ``environ["llmb.arrived_at"]`` carries the arrival time on."""
+
+    def __init__(self, app: WSGIApp, door: Door, is_inference: Callable[[str], bool]) -> None:
+        self.app = app
+        self.door = door
+        self.is_inference = is_inference
+
+    def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        arrived_at = environ["llmb.arrived_at"] = arrival()
+        if environ.get("REQUEST_METHOD") != "POST" or not self.is_inference(environ.get("PATH_INFO", "")):
+            return self.app(environ, start_response)
+        try:
+            self.door.enter(arrived_at)
+        except QueueFull as exc:
+            HTTP_REQUESTS.labels(str(exc.status), exc.type).inc()  # no log line: it would cost more than this
+            request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
+            path = environ.get("PATH_INFO", "")
+            shape = (openai_error_body(exc.status, exc.type, exc.message) if path != "/v1/infer"
+                     else error_body(exc.type, exc.message, request_id))
+            body = json.dumps(shape).encode()
+            start_response(f"{exc.status} Too Many Requests", [
+                ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+                ("Retry-After", str(exc.retry_after_s or 1)), ("X-Request-Id", request_id)])
+            return [body]
+        try:
+            return _LeaveWhenDone(self.app(environ, start_response), self.door.leave)
+        except BaseException:
+            self.door.leave()
+            raise
+
+
+class _LeaveWhenDone:
+    """A response iterable that calls ``leave`` once: when it is exhausted or closed, whichever is first (the
+    server closes it; a test client may only exhaust it)."""
+
+    def __init__(self, inner: Iterable[bytes], leave: Callable[[], None]) -> None:
+        self.inner = inner
+        self._leave: Callable[[], None] | None = leave
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self.inner
+        finally:
+            self._done()
+
+    def close(self) -> None:
+        try:
+            close = getattr(self.inner, "close", None)
+            if close is not None:
+                close()
+        finally:
+            self._done()
+
+    def _done(self) -> None:
+        leave, self._leave = self._leave, None
+        if leave is not None:
+            leave()

@@ -17,9 +17,25 @@ HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed
               413: "payload_too_large", 415: "unsupported_media_type"}
 
 
+OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                404: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
+                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+def error_body(type_: str, message: str, request_id: str | None) -> dict[str, object]:
+    """The shape of every error of the native API."""
+    return {"error": {"type": type_, "message": message, "request_id": request_id}}
+
+
+def openai_error_body(status: int, code: str, message: str) -> dict[str, object]:
+    """The shape of every error of the OpenAI-compatible routes (what the official client parses)."""
+    return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None,
+                      "code": code}}
+
+
 def error_response(status: int, type_: str, message: str, retry_after_s: int | None = None) -> Response:
     g.error_type = type_
-    response = jsonify(error={"type": type_, "message": message, "request_id": g.get("request_id")})
+    response = jsonify(error_body(type_, message, g.get("request_id")))
     response.status_code = status
     if retry_after_s is not None:
         response.headers["Retry-After"] = str(retry_after_s)

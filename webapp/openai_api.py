@@ -20,6 +20,7 @@ from tasks.errors import BatchingError, InvalidInput
 from tasks.gateway import Call, Gateway
 from webapp import tenancy
 from webapp.body import read_json
+from webapp.errors import openai_error_body
 from webapp.openai_schema import (
     chat_response,
     chunk,
@@ -33,9 +34,6 @@ from webapp.validation import bind
 
 bp = Blueprint("openai", __name__)
 
-OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 T = TypeVar("T")
 KIND_FOR = {"completions": ("causal",), "chat": ("causal",), "embeddings": ("embed",)}
 
@@ -49,8 +47,7 @@ class ModelNotFound(BatchingError):
 
 def openai_error(status: int, code: str, message: str, retry_after_s: int | None = None) -> Response:
     g.error_type = code
-    response = jsonify(error={"message": message, "type": OPENAI_TYPES.get(status, "server_error"),
-                              "param": None, "code": code})
+    response = jsonify(openai_error_body(status, code, message))
     response.status_code = status
     if retry_after_s is not None:
         response.headers["Retry-After"] = str(retry_after_s)
@@ -147,8 +144,7 @@ def _sse(call: Call, endpoint: str) -> Response:
                     yield _data(chunk(call, chat, rest, value.output["finish_reason"]))
                 else:
                     g.error_type = value.type
-                    yield _data({"error": {"message": value.message, "type": OPENAI_TYPES.get(value.status,
-                                 "server_error"), "param": None, "code": value.type}})
+                    yield _data(openai_error_body(value.status, value.type, value.message))
             yield "data: [DONE]\n\n"
         finally:
             events.close()  # the client went away mid-stream: cancel the generation in the worker
