@@ -9,11 +9,13 @@
   for 100). A batch of one that raised has isolated its poison input: it fails alone, with 422, and is
   quarantined.
 - Its worker died while running it: maybe an input killed it, maybe not (preemption, an OOM caused by a
-  neighbour, a node drain, a rollout all kill innocent batches). It is split like a raise, and every item
-  remembers the worker it died on. A death counts as proof only when it repeats elsewhere: an item alone in
-  its batch is poison once batches holding it have died on at least ``POISON_WORKERS`` different workers;
-  until then it is run again alone (on another worker where there is one). An item whose batches died more
-  than ``max_retries`` times on a single worker (a fleet of one) fails with a clear 503, unquarantined.
+  neighbour, a node drain, a rollout all kill innocent batches). Every item remembers the worker it died
+  on. The first death of a batch sends it again whole (to another worker where there is one): the common,
+  innocent death costs one re-run instead of a binary search. A second death splits it like a raise. A
+  death counts as proof only when it repeats elsewhere: an item alone in its batch is poison once batches
+  holding it have died on at least ``POISON_WORKERS`` different workers; until then it is run again alone.
+  An item whose batches died more than ``max_retries`` times on one worker alone (a fleet of one) fails
+  with a clear 503, unquarantined.
 """
 from __future__ import annotations
 
@@ -53,6 +55,8 @@ def plan(batch: Batch, failure: Failure, *, now: float, max_retries: int = 3, di
         return Plan(batches=batches, exhausted=exhausted)
     if failure is Failure.DIED:
         items = tuple(replace(i, died_on=(*i.died_on, died_on or "?")) for i in items)
+        if len(items) > 1 and max(len(i.died_on) for i in items) == 1:  # its first death: again, whole
+            return Plan(batches=[batch.derive(new_id(), items, now=now)])
     if len(items) == 1:
         item = items[0]
         if failure is Failure.RAISED or is_poison(item):

@@ -26,9 +26,11 @@ def test_a_failed_batch_is_split_in_two_halves_that_point_to_it() -> None:
     assert not p.poison and not p.exhausted
 
 
-def test_a_worker_death_while_running_is_treated_like_a_raise() -> None:
-    p = plan(batch(3), Failure.DIED, now=1.0)
-    assert [len(b.items) for b in p.batches] == [2, 1]
+def test_a_batch_whose_worker_died_goes_again_whole_then_is_split_like_a_raise_if_it_dies_again() -> None:
+    p = plan(batch(3), Failure.DIED, now=1.0, died_on="w0")
+    assert [len(b.items) for b in p.batches] == [3]  # most deaths are nobody's fault: one re-run, no search
+    again = plan(p.batches[0], Failure.DIED, now=2.0, died_on="w1")
+    assert [len(b.items) for b in again.batches] == [2, 1]
 
 
 def test_a_failing_batch_of_one_has_isolated_its_poison() -> None:
