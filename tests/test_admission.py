@@ -75,6 +75,11 @@ def test_admission_caps_against_the_real_redis() -> None:
         assert adm.tenant_in_flight("gone", time.time()) == 5
         time.sleep(0.3)
         assert admit(Ticket("gone", "sim"), 5, model_cap=100, tenant_cap=5)[0] is Verdict.OK
+        # an API host whose clock runs an hour fast purges nobody else's live admissions
+        ids = [uuid.uuid4().hex for _ in range(3)]
+        assert adm.try_admit(ids, ["h"] * 3, ticket=Ticket("skewed", "sim"), now=time.time() + 3600, timeout_s=30,
+                             model_cap=1000, tenant_cap=100)[0] is Verdict.OK
+        assert adm.tenant_in_flight("chat", time.time()) == 10
     finally:
         for key in client.scan_iter(f"{ns}:*"):
             client.delete(key)

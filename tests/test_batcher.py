@@ -201,3 +201,42 @@ def test_adaptive_wait_leaves_at_once_for_a_free_device_and_thin_traffic() -> No
     h.clock.t += 0.001
     h.batcher.poll()
     assert len(h.sent) == 1
+
+
+def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() -> None:
+    """take_back against the real broker, with the second batch unpublishable: the first is handed on and
+    forgotten, the second stays with the batcher for the next check (it used to be forgotten first)."""
+    import uuid
+
+    from dataclasses import replace
+
+    import redis
+    from kombu import Connection
+    from kombu.exceptions import EncodeError
+
+    from tasks.claims import Claims
+    from tasks.fleet import Fleet
+    from tasks.quarantine import Quarantine
+    from tasks.recovery import Recovery
+    from tasks.results import ResultWriter
+    from tests.stack import BROKER_URL, REDIS_URL
+
+    h = Harness(size=1, workers=1)
+    h.submit("a")
+    h.submit("b")
+    first, second = h.batcher.held_by("w0")
+    broken = second.with_items(tuple(replace(i, params={"x": {1, 2}}) for i in second.items))
+    worker_id, _, sent_at = h.batcher.in_flight[second.id]
+    h.batcher.in_flight[second.id] = (worker_id, broken, sent_at)  # a set: JSON cannot encode it
+    client = redis.Redis.from_url(REDIS_URL)
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    recovery = Recovery(h.batcher, Fleet(client, f"{ns}:fleet", 3.0), Claims(client, f"{ns}:claim"),
+                        Quarantine(client, f"{ns}:quarantine"), ResultWriter(client, lambda i: i, 60),
+                        lambda event: None, lambda: Connection(BROKER_URL), f"{ns}.recovery")
+    try:
+        with pytest.raises(EncodeError):
+            recovery.take_back(h.workers[0])
+        assert [b.id for b in h.batcher.held_by("w0")] == [second.id]
+    finally:
+        with Connection(BROKER_URL) as conn:
+            conn.default_channel.queue_delete(f"{ns}.recovery")
