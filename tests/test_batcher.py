@@ -207,7 +207,6 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     """take_back against the real broker, with the second batch unpublishable: the first is handed on and
     forgotten, the second stays with the batcher for the next check (it used to be forgotten first)."""
     import uuid
-
     from dataclasses import replace
 
     import redis
