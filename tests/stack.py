@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import sys
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote, urlsplit
 
 import redis
 import requests
@@ -42,6 +44,7 @@ class Stack:
         self.env.update({f"LLMB_{k.upper()}": str(v) for k, v in env.items()})
         self.admin("db", "upgrade")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self.groups: set[int] = set()  # every process group spawned, so that close() leaves no orphan behind
         self.redis = redis.Redis.from_url(self.env["LLMB_REDIS_URL"])
         self.port = 0
 
@@ -53,6 +56,7 @@ class Stack:
         proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         self.procs[name] = proc
+        self.groups.add(proc.pid)
         return proc
 
     def admin(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -106,6 +110,117 @@ class Stack:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
 
+    # -- faults: single processes of a running component ---------------------------------------------
+    def pid(self, name: str) -> int:
+        """The process this stack started as ``name`` (gunicorn's master, a worker's supervisor, the batcher)."""
+        return self.procs[name].pid
+
+    def children(self, name: str) -> list[int]:
+        """Live child processes of ``name``'s process (gunicorn's workers, a supervisor's worker), oldest first."""
+        return children_of(self.pid(name))
+
+    def web_workers(self, name: str = "web") -> list[int]:
+        """gunicorn's worker processes."""
+        return self.children(name)
+
+    def worker_child(self, device: int) -> int:
+        """The worker process that the supervisor of ``gpu<device>`` runs (the one that runs batches)."""
+        kids = self.children(f"gpu{device}")
+        if not kids:
+            raise LookupError(f"gpu{device} has no worker process right now")
+        return kids[-1]
+
+    def signal(self, name: str, sig: int, *, group: bool = False) -> None:
+        """Send ``sig`` to ``name``'s own process (or its whole process group) and leave it to act on it."""
+        pid = self.pid(name)
+        if group:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+    def wait_exit(self, name: str, timeout_s: float = 30) -> int:
+        """Wait for ``name``'s process to end; returns its exit code and forgets it (its group stays known to
+        close(), which ends whatever it left behind)."""
+        proc = self.procs[name]
+        rc = proc.wait(timeout=timeout_s)
+        del self.procs[name]
+        return rc
+
+    def wait_batch_start(self, device: int, within_s: float, timeout_s: float = 15,
+                         batch_s: float | None = None) -> None:
+        """Return while ``gpu<device>`` runs a batch that started less than ``within_s`` ago, from its
+        heartbeats: the moment to signal a worker early in a batch. Heartbeats much slower than a batch may
+        keep a fixed phase to back-to-back batches and never show a young one; given ``batch_s``, a busy beat
+        then predicts the next batch's start and this returns just after it."""
+        seen: set[float] = set()
+        predicted: list[float] = []
+
+        def early() -> bool:
+            beat = self.fleet().get(f"gpu{device}@test", {})
+            started = beat.get("batch_started_at")
+            if beat.get("state") != "busy" or not started or float(started) in seen:  # type: ignore[arg-type]
+                return False
+            seen.add(float(started))  # type: ignore[arg-type]
+            age = time.time() - float(started)  # type: ignore[arg-type]
+            if age < within_s:
+                return True
+            if batch_s and age < 2 * batch_s:
+                predicted.append(float(started) + batch_s * (1 + int(age // batch_s)) + min(0.05, within_s / 2))
+                return True
+            return False
+
+        wait_for(early, timeout_s, f"gpu{device} early in a batch")
+        if predicted:
+            time.sleep(max(0.0, predicted[0] - time.time()))
+
+    def inflight(self) -> int:
+        """Items admitted and not yet answered, across every API process (the admission set)."""
+        return int(self.redis.zcard(f"{self.namespace}:inflight"))
+
+    # -- whole again after a fault ---------------------------------------------------------------------
+    @property
+    def heartbeat_stale_s(self) -> float:
+        return float(self.env.get("LLMB_HEARTBEAT_INTERVAL_S", 1.0)) * float(
+            self.env.get("LLMB_HEARTBEAT_STALE_FACTOR", 3.0))
+
+    def restart_missing(self, workers: int = 2, web_workers: int = 2) -> list[str]:
+        """Start again whichever of gpu0..gpu<workers-1>, the batcher and gunicorn is not running (as an operator
+        or an init system would after a fault); returns their names."""
+        started = []
+        for name in [*(f"gpu{n}" for n in range(workers)), "batcher", "web"]:
+            proc = self.procs.get(name)
+            if proc is not None and proc.poll() is None:
+                continue
+            self.procs.pop(name, None)
+            if name.startswith("gpu"):
+                self.start_worker(int(name[3:]))
+            elif name == "batcher":
+                self.start_batcher()
+            else:
+                self.start_web(workers=web_workers)
+            started.append(name)
+        return started
+
+    def wait_serving(self, workers: int = 2, web_workers: int = 2, timeout_s: float = 30) -> None:
+        """Wait until the stack is whole and serves: a fresh heartbeat (idle or busy) from every worker, a worker
+        process under every supervisor, all of gunicorn's workers, and a request answered 200 with its output."""
+        from tests.helpers import expected
+
+        def fresh() -> bool:
+            beats, now = self.fleet(), time.time()
+            return all(f"gpu{n}@test" in beats and now - float(beats[f"gpu{n}@test"]["heartbeat_at"])
+                       < self.heartbeat_stale_s and beats[f"gpu{n}@test"]["state"] in ("idle", "busy")
+                       for n in range(workers))
+
+        wait_for(fresh, timeout_s, f"{workers} fresh heartbeats")
+        wait_for(lambda: len(self.web_workers()) == web_workers, timeout_s, f"{web_workers} gunicorn workers")
+        wait_for(lambda: all(self.children(f"gpu{n}") for n in range(workers)), timeout_s,
+                 "a worker process under every supervisor")
+        probe = f"probe {uuid.uuid4().hex}"
+        r = requests.post(self.url + "/v1/infer", json={"input": probe, "timeout_ms": 10_000}, timeout=30)
+        if r.status_code != 200 or r.json().get("output") != expected(probe):
+            raise AssertionError(f"the stack does not serve: {r.status_code} {r.text}")
+
     def live_workers(self) -> int:
         body = requests.get(self.url + "/readyz", timeout=5)
         return int(body.json().get("workers", 0)) if body.status_code == 200 else 0
@@ -113,8 +228,12 @@ class Stack:
     def wait_ready(self, workers: int) -> None:
         wait_for(lambda: self.live_workers() >= workers, 30, f"{workers} live worker(s)")
 
+    @property
+    def broker_url(self) -> str:
+        return self.env["LLMB_BROKER_URL"]
+
     def request_queue_depth(self) -> int:
-        with Connection(BROKER_URL) as conn:
+        with Connection(self.broker_url) as conn:
             _, count, _ = conn.default_channel.queue_declare(f"{self.namespace}.requests", passive=True)
             return int(count)
 
@@ -125,18 +244,43 @@ class Stack:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
     # -- teardown ------------------------------------------------------------------------------------
+    def leftovers(self) -> list[int]:
+        """Live processes of the groups this stack started that still carry its namespace (never anyone
+        else's process, should a group id have been reused)."""
+        mark = f"LLMB_NAMESPACE={self.namespace}".encode()
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+                if int(fields[2]) not in self.groups or fields[0] == "Z":
+                    continue
+                if mark in (entry / "environ").read_bytes().split(b"\0"):
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                continue
+        return found
+
     def close(self) -> None:
         for name in list(self.procs):
             try:
                 self.kill(name, signal.SIGTERM)
             except ProcessLookupError:
                 pass
+            except Exception:  # one stubborn process must not leave the others running
+                self.procs.pop(name, None)
+        for pid in self.leftovers():  # an orphaned worker whose supervisor was killed, say
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         try:
             for key in self.redis.scan_iter(f"{self.namespace}:*", count=1000):
                 self.redis.delete(key)
         except redis.RedisError:
             pass  # a test's own Redis may be gone already
-        with Connection(BROKER_URL) as conn:
+        with Connection(self.broker_url, connect_timeout=5) as conn:
             channel = conn.default_channel
             for queue in [f"{self.namespace}.requests", f"{self.namespace}.batcher", f"{self.namespace}.recovery",
                           *(f"{self.namespace}.gpu.test.{n}" for n in range(4))]:
@@ -144,6 +288,104 @@ class Stack:
                     channel.queue_delete(queue)
                 except Exception:
                     channel = conn.channel()
+
+
+class PrivateRedis:
+    """A Redis server of one test's (or benchmark's) own, without persistence, that may be stopped and
+    restarted at will while the shared one stays up."""
+
+    def __init__(self, port: int | None = None) -> None:
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> PrivateRedis:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
+        wait_for(self.ping, 10, "the private Redis")
+        return self
+
+    def ping(self) -> bool:
+        try:
+            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.5).ping())
+        except redis.RedisError:
+            return False
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
+            self.proc = None
+
+
+class PrivateVhost:
+    """A RabbitMQ virtual host of one test's (or benchmark's) own on the shared broker, so that its connections
+    can be cut without touching anyone else's. Needs `rabbitmqctl` (and the rights to run it)."""
+
+    def __init__(self, name: str | None = None) -> None:
+        self.name = name or "llmb-" + uuid.uuid4().hex[:10]
+
+    @staticmethod
+    def available() -> bool:
+        if shutil.which("rabbitmqctl") is None:
+            return False
+        try:
+            return _ctl("list_vhosts", check=False).returncode == 0
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+
+    @property
+    def url(self) -> str:
+        base = urlsplit(BROKER_URL)
+        return f"{base.scheme}://{base.netloc}/{quote(self.name, safe='')}"
+
+    def create(self) -> PrivateVhost:
+        _ctl("add_vhost", self.name)
+        user = urlsplit(BROKER_URL).username or "guest"
+        _ctl("set_permissions", "-p", self.name, user, ".*", ".*", ".*")
+        return self
+
+    def cut_connections(self) -> None:
+        """Close every client connection to this vhost, as a broker restart or a network cut would."""
+        _ctl("close_all_connections", "-p", self.name, "fault injection")
+
+    def delete(self) -> None:
+        _ctl("delete_vhost", self.name, check=False)
+
+
+def _ctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60)
+    if check and done.returncode != 0:
+        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
+    return done
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of ``pid``, oldest first (from /proc, no extra dependency)."""
+    found: list[tuple[int, int]] = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            found.append((int(fields[19]), int(entry.name)))  # start time, pid
+    return [p for _, p in sorted(found)]
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state != "Z"
 
 
 def _get(url: str) -> int:

@@ -1,0 +1,360 @@
+"""The backbone failing under load: Redis killed, broker connections cut, a broker alarm, a connection flood.
+
+Each test runs the real processes under a steady open-loop load (tests/loadgen.py), breaks one service while
+it runs, and checks invariant 1 for every request sent: exactly one answer (its own output or a clear JSON
+error), never later than its deadline + 1 s, no connection reset; and that the service comes back by itself.
+Nothing shared is disturbed: Redis is a private server, connections are cut in a vhost of the test's own, the
+alarm is raised on a private RabbitMQ node (tests/services.py).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import resource
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import pytest
+import requests
+
+from tests.helpers import expected
+from tests.loadgen import LATE_SLACK_S, LoadReport, Outcome, SteadyLoad
+from tests.stack import Stack, wait_for
+
+if TYPE_CHECKING:  # imported by pytest_plugins below (so that its asserts are rewritten)
+    from tests.services import PrivateRabbit, PrivateRedis, Vhost
+
+pytestmark = pytest.mark.fault
+pytest_plugins = ["tests.services"]  # its fixtures: private_redis, own_vhost, private_rabbit, rabbit
+
+
+# -- helpers --------------------------------------------------------------------------------------------------------
+def probe(url: str, timeout_ms: int = 8000) -> tuple[int, str | None, float]:
+    """One request of the test's own: (status, error type, seconds); status 0 when no HTTP answer."""
+    text = f"probe {uuid.uuid4().hex}"
+    started = time.monotonic()
+    try:
+        r = requests.post(url + "/v1/infer", json={"input": text, "timeout_ms": timeout_ms},
+                          timeout=timeout_ms / 1000 + 5)
+    except requests.RequestException:
+        return 0, None, time.monotonic() - started
+    elapsed = time.monotonic() - started
+    if r.status_code == 200:
+        assert r.json()["output"] == expected(text), "a probe got someone else's output"
+        return 200, None, elapsed
+    try:
+        return r.status_code, r.json()["error"]["type"], elapsed
+    except (ValueError, KeyError, TypeError):
+        return r.status_code, "non-json", elapsed
+
+
+def wait_status(url: str, status: int, timeout_s: float, what: str, timeout_ms: int = 8000) -> tuple[float, str]:
+    """Probe until one answer has ``status``; returns (when, monotonic; that probe's latency and type)."""
+    seen: list[tuple[int, str | None, float]] = []
+
+    def check() -> bool:
+        seen.append(probe(url, timeout_ms))
+        return seen[-1][0] == status
+
+    wait_for(check, timeout_s, f"{what} (probes so far: {[(s, t, round(e, 2)) for s, t, e in seen[-8:]]})")
+    return time.monotonic(), f"{seen[-1][1]} in {seen[-1][2] * 1000:.0f} ms after {len(seen)} probe(s)"
+
+
+def hold(until: float) -> None:
+    """Let the load run until a monotonic time (polled, so no long fixed sleep)."""
+    wait_for(lambda: time.monotonic() >= until, max(until - time.monotonic(), 0) + 5, "the hold to pass")
+
+
+def sent_between(report: LoadReport, start: float, end: float) -> list[Outcome]:
+    return [o for o in report.outcomes if start <= o.sent_at < end]
+
+
+def describe(outcomes: list[Outcome]) -> str:
+    statuses = Counter(o.status for o in outcomes)
+    latencies = sorted(o.latency_ms for o in outcomes)
+    worst = latencies[-1] if latencies else 0
+    return f"{len(outcomes)} sent: {dict(sorted(statuses.items()))}, slowest {worst:.0f} ms"
+
+
+def samples(outcomes: list[Outcome], since: float, n: int = 12) -> str:
+    """A few outcomes as 'sent +t s -> status in ms' (t from ``since``)."""
+    return ", ".join(f"+{o.sent_at - since:.1f}s->{o.status} in {o.latency_ms:.0f}ms" for o in outcomes[:n])
+
+
+def processes_alive(stack: Stack) -> dict[str, int | None]:
+    return {name: proc.poll() for name, proc in stack.procs.items()}
+
+
+def small_stack(tmp: Path, **settings: object) -> Stack:
+    stack = Stack(tmp, heartbeat_interval_s=0.25, **settings)
+    stack.start_worker(0)
+    stack.start_batcher()
+    stack.start_web(workers=1)
+    stack.wait_ready(workers=1)
+    return stack
+
+
+# -- 1. Redis SIGKILLed and restarted ----------------------------------------------------------------------------
+@pytest.fixture
+def redis_stack(tmp_path: Path, private_redis: PrivateRedis) -> Iterator[Stack]:
+    stack = small_stack(tmp_path, redis_url=private_redis.url)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_redis_sigkilled_mid_load_gives_fast_503s_then_resumes(redis_stack: Stack,
+                                                                private_redis: PrivateRedis) -> None:
+    stack = redis_stack
+    load = SteadyLoad(stack.url, 30, timeout_ms=8000, prefix="redis").start()
+    try:
+        wait_for(lambda: load.answered() >= 30, 15, "the load to flow")
+        killed = time.monotonic()
+        private_redis.kill()
+        _, during = wait_status(stack.url, 503, 5, "a 503 while Redis is away")
+        hold(killed + 3)
+        restarted = time.monotonic()
+        private_redis.start()
+        resumed, _ = wait_status(stack.url, 200, 30, "a 200 after Redis is back")
+        hold(resumed + 4)
+    finally:
+        report = load.stop()
+    in_flight = [o for o in report.outcomes if o.sent_at < killed < o.sent_at + o.latency_ms / 1000]
+    waited = max((o.sent_at + o.latency_ms / 1000 - killed for o in in_flight), default=0)
+    print(f"\nredis kill: {report.summary()}\n  probe during the outage: {during}; "
+          f"in flight at the kill: {describe(in_flight)}, the last answered {waited:.1f} s after it; "
+          f"resumed {resumed - restarted:.1f} s after the restart")
+    outage = sent_between(report, killed + 0.1, restarted)
+    after = sent_between(report, resumed + 1, float("inf"))
+    report.assert_sound(allow={200, 503})
+    assert set(report.error_types) <= {"unavailable"}, report.summary()
+    slow = [o for o in outage if o.status != 200 and o.latency_ms > 2000]
+    ok = bool(outage) and not slow
+    assert ok, f"503s during the outage must be fast (< 2 s): {describe(slow)}; " \
+                                f"outage: {describe(outage)}"
+    assert resumed - restarted < 5, f"service resumed only {resumed - restarted:.1f} s after Redis came back"
+    ok = bool(after) and all(o.status == 200 for o in after)
+    assert ok, f"after resuming: {describe(after)}"
+
+
+# -- 2. every broker connection of the stack closed, twice --------------------------------------------------------
+@pytest.fixture
+def vhost_stack(tmp_path: Path, own_vhost: Vhost) -> Iterator[Stack]:
+    stack = small_stack(tmp_path, broker_url=own_vhost.url)
+    try:
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_broker_connections_closed_twice_mid_load_loses_nobody(vhost_stack: Stack, own_vhost: Vhost) -> None:
+    stack = vhost_stack
+    load = SteadyLoad(stack.url, 30, timeout_ms=10_000, prefix="cut").start()
+    cuts: list[tuple[float, int, float]] = []  # (when, connections closed, seconds it took)
+    try:
+        wait_for(lambda: load.answered() >= 30, 15, "the load to flow")
+        for n in range(2):
+            started = time.monotonic()
+            closed = own_vhost.close_connections(f"fault test: cut {n + 1}")
+            cuts.append((started, closed, time.monotonic() - started))
+            hold(started + 4)
+        resumed, _ = wait_status(stack.url, 200, 30, "a 200 after the second cut", timeout_ms=10_000)
+        hold(resumed + 4)
+    finally:
+        report = load.stop()
+    alive = processes_alive(stack)
+    windows = "; ".join(f"cut {k + 1} ({closed} connections in {took:.1f} s): sent in the 4 s from it "
+                        f"{describe(sent_between(report, at, at + 4))}" for k, (at, closed, took) in enumerate(cuts))
+    print(f"\nbroker cuts: {report.summary()}\n  {windows}; processes {alive}")
+    assert all(closed > 0 for _, closed, _ in cuts), f"nothing to cut: {cuts}"
+    assert all(code is None for code in alive.values()), f"processes died: {alive}"
+    report.assert_sound(allow={200, 503})
+    assert set(report.error_types) <= {"unavailable"}, report.summary()
+    after = sent_between(report, resumed + 1, float("inf"))
+    ok = bool(after) and all(o.status == 200 for o in after)
+    assert ok, f"after resuming: {describe(after)}"
+    assert resumed - cuts[-1][0] < 15, f"resumed only {resumed - cuts[-1][0]:.1f} s after the second cut"
+
+
+# -- 3. a memory alarm on the broker ---------------------------------------------------------------------------------
+PUBLISH_TIMEOUT_S = 2.0
+ALARM_TIMEOUT_MS = 6000
+
+
+@pytest.fixture
+def alarm_stack(tmp_path: Path, rabbit: PrivateRabbit) -> Iterator[Stack]:
+    stack = small_stack(tmp_path, broker_url=rabbit.url, publish_timeout_s=PUBLISH_TIMEOUT_S)
+    try:
+        yield stack
+    finally:
+        rabbit.clear_alarms()  # before close(), which talks to the broker
+        stack.close()
+
+
+def test_broker_memory_alarm_gives_503_within_the_publish_timeout_then_resumes(
+        alarm_stack: Stack, rabbit: PrivateRabbit) -> None:
+    stack = alarm_stack
+    load = SteadyLoad(stack.url, 20, timeout_ms=ALARM_TIMEOUT_MS, prefix="alarm").start()
+    try:
+        wait_for(lambda: load.answered() >= 20, 15, "the load to flow")
+        rabbit.raise_memory_alarm()
+        wait_for(lambda: rabbit.alarms(), 10, "the memory alarm")
+        alarmed = time.monotonic()
+        _, during = wait_status(stack.url, 503, 15, "a 503 during the alarm")
+        hold(alarmed + ALARM_TIMEOUT_MS / 1000 + 2)  # longer than a deadline: a hung caller shows up as late
+        cleared = time.monotonic()
+        rabbit.clear_alarms()
+        resumed, _ = wait_status(stack.url, 200, 30, "a 200 after the alarm cleared")
+        hold(resumed + 4)
+    finally:
+        report = load.stop()
+    print(f"\nbroker alarm: {report.summary()}\n  probe during the alarm: {during}; "
+          f"resumed {resumed - cleared:.1f} s after clearing")
+    blocked = sent_between(report, alarmed, cleared - PUBLISH_TIMEOUT_S - 0.5)
+    after = sent_between(report, resumed + 1, float("inf"))
+    bound_ms = (PUBLISH_TIMEOUT_S + 1) * 1000
+    # Admitted before the alarm, a request may still miss its deadline (its batch cannot be sent): 504 in time.
+    report.assert_sound(allow={200, 503, 504})
+    wrong = sorted((o for o in blocked if o.status != 503 or o.latency_ms > bound_ms), key=lambda o: o.status == 503)
+    ok = bool(blocked) and not wrong
+    assert ok, (
+        f"during the alarm every caller must get 503 within {bound_ms:.0f} ms: {describe(wrong)} "
+        f"of {describe(blocked)} (after the alarm: {samples(wrong, alarmed)})\n{report.summary()}")
+    ok = bool(after) and all(o.status == 200 for o in after)
+    assert ok, f"after the alarm: {describe(after)}"
+    assert resumed - cleared < 10, f"resumed only {resumed - cleared:.1f} s after the alarm cleared"
+
+
+# -- 4. a 10,000-connection flood from one tenant beside a steady one ---------------------------------------------
+FLOOD = int(os.environ.get("LLMB_TEST_FLOOD_CONNECTIONS", "10000"))
+FLOOD_TIMEOUT_MS = 20_000
+
+
+@dataclass
+class Raw:
+    status: int  # 0: no HTTP answer
+    latency_s: float  # from the start of connect() to the end of the response
+    failure: str = ""  # why no answer: reset, eof, timeout, ...
+    wrong_output: bool = False
+    error_type: str = ""  # error.type of a JSON error answer
+    message: str = ""  # and its message
+
+
+async def _raw_post(host: str, port: int, body: dict[str, object], give_up_s: float) -> Raw:
+    payload = json.dumps(body).encode()
+    head = (f"POST /v1/infer HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode()
+    started = time.monotonic()
+    writer = None
+
+    async def exchange() -> Raw:
+        nonlocal writer
+        reader, writer = await asyncio.open_connection(host, port)
+        writer.write(head + payload)
+        await writer.drain()
+        header = await reader.readuntil(b"\r\n\r\n")
+        lines = header.decode("latin-1").split("\r\n")
+        status = int(lines[0].split()[1])
+        length = next((int(v) for k, _, v in (ln.partition(":") for ln in lines[1:]) if k.lower() == "content-length"),
+                      None)
+        data = await (reader.readexactly(length) if length is not None else reader.read())
+        try:
+            answer = json.loads(data)
+        except ValueError:
+            answer = None
+        if status == 200:
+            wrong = not isinstance(answer, dict) or answer.get("output") != expected(str(body["input"]))
+            return Raw(status, time.monotonic() - started, wrong_output=wrong)
+        error = answer.get("error") if isinstance(answer, dict) else None
+        kind = str(error.get("type")) if isinstance(error, dict) else "non-json"
+        message = str(error.get("message")) if isinstance(error, dict) else data[:200].decode("latin-1")
+        return Raw(status, time.monotonic() - started, error_type=kind, message=message)
+
+    try:
+        return await asyncio.wait_for(exchange(), give_up_s)
+    except (asyncio.IncompleteReadError, asyncio.LimitOverrunError):
+        return Raw(0, time.monotonic() - started, "eof")
+    except ConnectionResetError:
+        return Raw(0, time.monotonic() - started, "reset")
+    except TimeoutError:
+        return Raw(0, time.monotonic() - started, "timeout")
+    except (OSError, ValueError, IndexError) as exc:
+        return Raw(0, time.monotonic() - started, type(exc).__name__)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+async def _flood(url: str, n: int, tenant: str, timeout_ms: int) -> list[Raw]:
+    host, port = url.removeprefix("http://").split(":")
+    give_up = timeout_ms / 1000 + 10
+    return await asyncio.gather(*(
+        _raw_post(host, int(port), {"input": f"flood {i} {uuid.uuid4().hex}", "tenant": tenant,
+                                    "timeout_ms": timeout_ms}, give_up)
+        for i in range(n)))
+
+
+@pytest.fixture
+def burst_stack(tmp_path: Path) -> Iterator[Stack]:
+    """Default web settings (2 gunicorn processes, connections sized by the product); one sim worker at 100 ms
+    batches (capacity 1,000 req/s)."""
+    stack = Stack(tmp_path, sim_batch_ms=100)
+    try:
+        stack.start_worker(0)
+        stack.start_batcher()
+        stack.start_web()
+        stack.wait_ready(workers=1)
+        yield stack
+    finally:
+        stack.close()
+
+
+def test_a_connection_flood_from_one_tenant_leaves_a_steady_tenant_unharmed(burst_stack: Stack) -> None:
+    stack = burst_stack
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    n = min(FLOOD, hard - 1000)  # room for the steady load's sockets, the stack's pipes, pytest
+    try:
+        steady = SteadyLoad(stack.url, 10, tenant="steady", prefix="steady", timeout_ms=10_000).start()
+        try:
+            wait_for(lambda: steady.answered() >= 10, 15, "the steady tenant's load to flow")
+            started, cpu = time.monotonic(), time.process_time()
+            flood = asyncio.run(_flood(stack.url, n, "flood", FLOOD_TIMEOUT_MS))
+            flood_s, cpu = time.monotonic() - started, time.process_time() - cpu
+            hold(time.monotonic() + 2)
+        finally:
+            report = steady.stop()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    statuses = Counter(r.status for r in flood)
+    errors = Counter(r.error_type for r in flood if r.error_type)
+    messages = Counter(r.message[:100] for r in flood if r.message).most_common(3)
+    failures = Counter(r.failure for r in flood if r.failure)
+    late = [r for r in flood if r.latency_s > FLOOD_TIMEOUT_MS / 1000 + LATE_SLACK_S]
+    wrong = sum(r.wrong_output for r in flood)
+    lat = sorted(r.latency_s for r in flood)
+    flood_line = (f"flood of {n} connections over {flood_s:.1f} s ({cpu:.1f} s of the test process's CPU, "
+                  f"steady load included): statuses {dict(sorted(statuses.items()))}, "
+                  f"errors {dict(errors)}, no answer {dict(failures)}, late {len(late)}, wrong output {wrong}, "
+                  f"p50 {lat[len(lat) // 2] * 1000:.0f} ms p99 {lat[int(len(lat) * 0.99)] * 1000:.0f} ms")
+    steady_line = f"steady tenant: {report.summary()}"
+    print(f"\n{flood_line}\n{steady_line}")
+    both = f"\n{flood_line}\n  most frequent error messages: {messages}\n{steady_line}"
+    problems = []
+    if report.no_answer or report.late or report.wrong_output or set(report.statuses) - {200}:
+        problems.append(f"the steady tenant was harmed (p50 {report.p(50):.0f} ms, p99 {report.p(99):.0f} ms)")
+    if failures:
+        problems.append(f"flood connections without an HTTP answer: {dict(failures)}")
+    if set(statuses) - {200, 429, 0}:
+        problems.append(f"flood answers other than 200/429: {dict(statuses)}")
+    if late or wrong:
+        problems.append(f"flood: {len(late)} late, {wrong} wrong outputs")
+    if problems:
+        pytest.fail("; ".join(problems) + both)
