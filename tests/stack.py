@@ -80,11 +80,13 @@ class Stack:
     def start_batcher(self, name: str = "batcher", **env: object) -> subprocess.Popen[bytes]:
         return self._spawn(name, [str(BIN / "llmb-batcher"), "--hostname", f"{name}.{self.namespace}@test"], **env)
 
+    FLOWER_AUTH = ("ops", "flower-test-secret")
+
     def start_flower(self) -> str:
-        """Flower as the Procfile runs it; its API open without auth, which the Procfile allows on localhost."""
+        """Flower as the Procfile runs it, with the basic auth the Procfile asks for to open its API."""
         port = free_port()
         self._spawn("flower", [str(BIN / "celery"), "-A", "tasks.celery_app", "flower", "--address=127.0.0.1",
-                               f"--port={port}"], raw_env={"FLOWER_UNAUTHENTICATED_API": "true"})
+                               f"--port={port}"], raw_env={"FLOWER_BASIC_AUTH": ":".join(self.FLOWER_AUTH)})
         return f"http://127.0.0.1:{port}"
 
     def start_web(self, name: str = "web", workers: int = 2, **env: object) -> str:

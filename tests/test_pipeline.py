@@ -238,6 +238,7 @@ def test_flower_lists_the_running_gpu_workers(stack: Stack) -> None:
     flower = stack.start_flower()
 
     def workers() -> set[str]:
-        return set(requests.get(flower + "/api/workers", timeout=10).json())
+        return set(requests.get(flower + "/api/workers", auth=Stack.FLOWER_AUTH, timeout=10).json())
 
     wait_for(lambda: {"gpu0@test", "gpu1@test"} <= workers(), 60, "Flower to list both GPU workers")
+    assert requests.get(flower + "/api/workers", timeout=10).status_code == 401, "no API without credentials"

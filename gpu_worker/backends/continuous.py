@@ -47,6 +47,7 @@ class ContinuousEngine:
         self.manager.start()
         self._routes: dict[str, queue.SimpleQueue[Any]] = {}
         self._lock = threading.Lock()
+        self._stopped = threading.Event()
         threading.Thread(target=self._route, name="cb-router", daemon=True).start()
 
     @property
@@ -54,7 +55,8 @@ class ContinuousEngine:
         return self.config.num_blocks * self.config.page_size
 
     def _route(self) -> None:
-        while True:
+        # Until stop(): once the manager is stopped, get_result returns at once, and this loop would spin.
+        while not self._stopped.is_set():
             try:
                 result = self.manager.get_result(timeout=0.5)
             except Exception:  # the manager stopped: nothing more will come
@@ -121,4 +123,5 @@ class ContinuousEngine:
         outputs[row.index] = completion(self.tokenizer, row, tokens, finish)
 
     def stop(self) -> None:
+        self._stopped.set()
         self.manager.stop(block=True, timeout=10)
