@@ -67,9 +67,11 @@ class Fleet:
                 continue  # a heartbeat from an incompatible version: ignore rather than crash the reader
         return workers
 
-    def live(self, now: float) -> list[WorkerInfo]:
-        """Workers that may be given work: heartbeat fresh, and not stopping."""
-        return [w for w in self.all() if now - w.heartbeat_at <= self.stale_after_s and w.state != DRAINING]
+    def live(self, now: float, *, draining: bool = False) -> list[WorkerInfo]:
+        """Workers that may be given work: heartbeat fresh and (unless ``draining``) not stopping. The API
+        counts stopping workers as serving their model: a restart must not flap it to 503."""
+        return [w for w in self.all()
+                if now - w.heartbeat_at <= self.stale_after_s and (draining or w.state != DRAINING)]
 
 
 def fleet_exchange(namespace: str) -> Exchange:

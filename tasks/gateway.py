@@ -131,7 +131,7 @@ class Gateway:
         now = time.monotonic()
         if now - self._workers_checked > self.settings.heartbeat_interval_s / 2:
             try:
-                self._workers = self.fleet.live(time.time())
+                self._workers = self.fleet.live(time.time(), draining=True)
             except PoolExhausted as exc:
                 raise _overloaded(exc) from None
             except redis.RedisError as exc:

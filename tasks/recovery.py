@@ -30,7 +30,7 @@ from tasks.batcher import Batcher
 from tasks.celery_app import batch_of_task
 from tasks.claims import SKIP, STRANDED, Claims
 from tasks.errors import PoisonInput, RetriesExhausted
-from tasks.fleet import DRAINING, Fleet, WorkerInfo
+from tasks.fleet import DRAINING, Fleet
 from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent, Quarantined
 from tasks.quarantine import Quarantine
 from tasks.queues import RETRY_POLICY, recovery_queue
@@ -56,7 +56,8 @@ class Recovery:
         self.connection = connection  # a broker connection for queue checks, draining and publishing
         self.queue = recovery_queue(queue_name)
         self.on_poison = on_poison  # counts isolated poison inputs (metrics)
-        self._known: dict[str, WorkerInfo] = {}  # the last heartbeat seen of each worker, to find its queue
+        self._queues: dict[str, str] = {}  # each worker's batch queue, from the last heartbeat seen of it
+        self._gone_since: dict[str, float] = {}  # workers holding our batches, missing from the fleet view
 
     # -- the recovery queue --------------------------------------------------------------------------
     def on_message(self, message: Message) -> float | None:
@@ -105,51 +106,57 @@ class Recovery:
         batches of ours and is gone from the fleet view (it stopped, or another batcher found it lost).
         """
         workers = {w.id: w for w in self.fleet.all()}
-        self._known.update(workers)
+        self._queues.update({wid: w.queue for wid, w in workers.items()})
         lost = {wid for wid, w in workers.items() if now - w.heartbeat_at > self.fleet.stale_after_s}
         ours = {wid for wid, _, _ in self.batcher.in_flight.values()}
-        lost |= {wid for wid in ours if wid not in workers and wid in self._known}
+        # Gone for half a staleness period: not just a Redis restart that emptied the fleet view for a beat.
+        for wid in ours - workers.keys():
+            self._gone_since.setdefault(wid, now)
+        self._gone_since = {wid: t for wid, t in self._gone_since.items() if wid in ours and wid not in workers}
+        lost |= {wid for wid, t in self._gone_since.items() if now - t >= self.fleet.stale_after_s / 2}
         busy = {wid for wid in ours - lost if wid in workers and workers[wid].state != DRAINING}
         if busy:
             with self.connection() as conn:
                 lost |= {wid for wid in busy if _consumers(conn, workers[wid].queue) == 0}
         for wid in lost:
-            self.take_back(self._known[wid])
+            self.take_back(wid, self._queues.get(wid))
         return sorted(lost)
 
-    def take_back(self, worker: WorkerInfo) -> None:
-        """Publish every batch the worker holds to the recovery queue, then forget the worker. Each batch is
-        forgotten only once it is published (and a queued one acknowledged only then): a failure half way
-        leaves the rest for the next check."""
+    def take_back(self, worker_id: str, queue: str | None) -> None:
+        """Publish every batch the worker holds to the recovery queue (those this batcher sent it, and what is
+        left in its queue when the queue is known), then forget the worker. Each batch is forgotten only once
+        it is published (and a queued one acknowledged only then): a failure half way leaves the rest for the
+        next check."""
         log.warning("worker %s is lost (no heartbeat, gone, or nobody consumes %s); taking its batches back",
-                    worker.id, worker.queue)
+                    worker_id, queue or "its queue")
         with self.connection() as conn:
             producer = conn.Producer()
             publish = conn.ensure(producer, producer.publish, **RETRY_POLICY)
 
             def send_back(batch: Batch) -> None:
-                publish({"batch": batch.to_dict(), "failure": LOST, "worker": worker.id,
-                         "error": f"worker {worker.id} was lost", "token": uuid.uuid4().hex},
+                publish({"batch": batch.to_dict(), "failure": LOST, "worker": worker_id,
+                         "error": f"worker {worker_id} was lost", "token": uuid.uuid4().hex},
                         exchange="", routing_key=self.queue.name, declare=[self.queue], serializer="json",
                         delivery_mode=2)
 
-            for batch in self.batcher.held_by(worker.id):
+            for batch in self.batcher.held_by(worker_id):
                 send_back(batch)
                 self.batcher.forget_in_flight(batch.id)
             channel = conn.channel()
             try:
-                while (message := channel.basic_get(worker.queue, no_ack=False)) is not None:
+                while queue and (message := channel.basic_get(queue, no_ack=False)) is not None:
                     queued = batch_of_task(message.body)
                     if queued is not None:
                         send_back(queued)
                     channel.basic_ack(message.delivery_tag)
             except Exception as exc:  # a queue that is gone has nothing to drain
-                log.debug("draining %s stopped: %s", worker.queue, exc)
+                log.debug("draining %s stopped: %s", queue, exc)
             finally:
                 _close(channel)
-        self.batcher.worker_lost(worker.id)
-        self.fleet.leave(worker.id)
-        self._known.pop(worker.id, None)
+        self.batcher.worker_lost(worker_id)
+        self.fleet.leave(worker_id)
+        self._queues.pop(worker_id, None)
+        self._gone_since.pop(worker_id, None)
 
     # -- answering what cannot be run ----------------------------------------------------------------
     def _poison(self, batch: Batch, failure: Failure, items: list[BatchItem], error: str) -> None:

@@ -234,7 +234,7 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
                         lambda event: None, lambda: Connection(BROKER_URL), f"{ns}.recovery")
     try:
         with pytest.raises(EncodeError):
-            recovery.take_back(h.workers[0])
+            recovery.take_back("w0", h.workers[0].queue)
         assert [b.id for b in h.batcher.held_by("w0")] == [second.id]
     finally:
         with Connection(BROKER_URL) as conn:
