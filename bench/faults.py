@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.loadgen import LoadReport, SteadyLoad  # noqa: E402
-from tests.stack import PrivateRedis, PrivateVhost, Stack, alive, wait_for  # noqa: E402
+from tests.services import PrivateRedis, Vhost  # noqa: E402
+from tests.stack import Stack, alive, wait_for  # noqa: E402
 
 RESULTS = ROOT / "bench" / "results" / "faults.md"
 DOCS = ROOT / "docs" / "bench" / "faults.md"
@@ -47,7 +48,7 @@ DOCS = ROOT / "docs" / "bench" / "faults.md"
 class Ctx:
     stack: Stack
     redis: PrivateRedis
-    vhost: PrivateVhost | None
+    vhost: Vhost | None
     load: SteadyLoad
     notes: list[str]
     workers: int
@@ -151,7 +152,7 @@ def redis_restart(ctx: Ctx) -> None:
 
 def broker_cut(ctx: Ctx) -> None:
     assert ctx.vhost is not None
-    ctx.vhost.cut_connections()
+    ctx.vhost.close_connections("fault injection")
     ctx.notes.append("every connection of the vhost closed by the broker")
 
 
@@ -281,11 +282,11 @@ def main(argv: list[str] | None = None) -> None:
     work = args.out.parent / "faults-system"
 
     redis_server = PrivateRedis().start()
-    vhost: PrivateVhost | None = None
+    vhost: Vhost | None = None
     broker_note = ""
     if any(k == "broker-cut" for k in keys):
-        if PrivateVhost.available():
-            vhost = PrivateVhost().create()
+        if Vhost.available():
+            vhost = Vhost().create()
         else:
             keys = [k for k in keys if k != "broker-cut"]
             broker_note = " Broker connections were not cut: `rabbitmqctl` is not usable here."

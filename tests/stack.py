@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -14,7 +13,6 @@ import sys
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import quote, urlsplit
 
 import redis
 import requests
@@ -290,80 +288,6 @@ class Stack:
                     channel.queue_delete(queue)
                 except Exception:
                     channel = conn.channel()
-
-
-class PrivateRedis:
-    """A Redis server of one test's (or benchmark's) own, without persistence, that may be stopped and
-    restarted at will while the shared one stays up."""
-
-    def __init__(self, port: int | None = None) -> None:
-        self.port = port or free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> PrivateRedis:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        wait_for(self.ping, 10, "the private Redis")
-        return self
-
-    def ping(self) -> bool:
-        try:
-            return bool(redis.Redis(port=self.port, socket_connect_timeout=0.5).ping())
-        except redis.RedisError:
-            return False
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
-class PrivateVhost:
-    """A RabbitMQ virtual host of one test's (or benchmark's) own on the shared broker, so that its connections
-    can be cut without touching anyone else's. Needs `rabbitmqctl` (and the rights to run it)."""
-
-    def __init__(self, name: str | None = None) -> None:
-        self.name = name or "llmb-" + uuid.uuid4().hex[:10]
-
-    @staticmethod
-    def available() -> bool:
-        if shutil.which("rabbitmqctl") is None:
-            return False
-        try:
-            return _ctl("list_vhosts", check=False).returncode == 0
-        except (OSError, subprocess.TimeoutExpired):
-            return False
-
-    @property
-    def url(self) -> str:
-        base = urlsplit(BROKER_URL)
-        return f"{base.scheme}://{base.netloc}/{quote(self.name, safe='')}"
-
-    def create(self) -> PrivateVhost:
-        _ctl("add_vhost", self.name)
-        user = urlsplit(BROKER_URL).username or "guest"
-        _ctl("set_permissions", "-p", self.name, user, ".*", ".*", ".*")
-        return self
-
-    def cut_connections(self) -> None:
-        """Close every client connection to this vhost, as a broker restart or a network cut would."""
-        _ctl("close_all_connections", "-p", self.name, "fault injection")
-
-    def delete(self) -> None:
-        _ctl("delete_vhost", self.name, check=False)
-
-
-def _ctl(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    done = subprocess.run(["rabbitmqctl", "-q", *args], capture_output=True, text=True, timeout=60)
-    if check and done.returncode != 0:
-        raise RuntimeError(f"rabbitmqctl {' '.join(args)} failed: {done.stderr.strip() or done.stdout.strip()}")
-    return done
 
 
 def children_of(pid: int) -> list[int]:

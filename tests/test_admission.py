@@ -1,8 +1,16 @@
 """The deadline-aware admission cap, as a pure function."""
 from __future__ import annotations
 
-from tasks.admission import deadline_cap
+import time
+import uuid
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from tasks.admission import Admission, Ticket, Verdict, deadline_cap
 from tasks.fleet import WorkerInfo
+from tests.stack import REDIS_URL
 
 
 def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> None:
@@ -85,60 +93,44 @@ def test_admission_caps_against_the_real_redis() -> None:
             client.delete(key)
 
 
-def test_offline_items_have_their_own_global_cap() -> None:
-    import time
-    import uuid
-
-    import redis
-
-    from tasks.admission import Admission, Ticket, Verdict
-    from tests.stack import REDIS_URL
-
+@pytest.fixture
+def ns() -> Iterator[tuple[redis.Redis, str]]:
+    """The real Redis and a key prefix of this test's own, removed afterwards."""
     client = redis.Redis.from_url(REDIS_URL)
-    ns = f"adm{uuid.uuid4().hex[:8]}"
-    adm = Admission(client, f"{ns}:inflight", 10, f"{ns}:quarantine", offline_cap=50, instance="api-1")
+    prefix = f"adm{uuid.uuid4().hex[:8]}"
+    yield client, prefix
+    for key in client.scan_iter(f"{prefix}:*"):
+        client.delete(key)
+
+
+def test_offline_items_have_their_own_global_cap(ns: tuple[redis.Redis, str]) -> None:
+    client, prefix = ns
+    adm = Admission(client, f"{prefix}:inflight", 10, f"{prefix}:quarantine", offline_cap=50, instance="api-1")
 
     def admit(ticket: Ticket, n: int) -> Verdict:
         ids = [uuid.uuid4().hex for _ in range(n)]
         return adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=1000,
                              tenant_cap=1000)[0]
 
-    try:
-        assert admit(Ticket("job", "sim", "offline"), 50) is Verdict.OK
-        assert admit(Ticket("job", "sim", "offline"), 1) is Verdict.FULL
-        assert admit(Ticket("chat", "sim"), 10) is Verdict.OK  # the offline backlog leaves interactive room alone
-        assert admit(Ticket("chat", "sim"), 1) is Verdict.FULL
-    finally:
-        for key in client.scan_iter(f"{ns}:*"):
-            client.delete(key)
+    assert admit(Ticket("job", "sim", "offline"), 50) is Verdict.OK
+    assert admit(Ticket("job", "sim", "offline"), 1) is Verdict.FULL
+    assert admit(Ticket("chat", "sim"), 10) is Verdict.OK  # the offline backlog leaves interactive room alone
+    assert admit(Ticket("chat", "sim"), 1) is Verdict.FULL
 
 
-def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses() -> None:
+def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: tuple[redis.Redis, str]) -> None:
     """A process that died holds nothing past its lease, even for callers with an hour-long deadline."""
-    import time
-    import uuid
-
-    import redis
-
-    from tasks.admission import Admission, Ticket, Verdict
-    from tests.stack import REDIS_URL
-
-    client = redis.Redis.from_url(REDIS_URL)
-    ns = f"adm{uuid.uuid4().hex[:8]}"
-    dead = Admission(client, f"{ns}:inflight", 100, f"{ns}:quarantine", instance="dead", lease_s=0.2)
-    alive = Admission(client, f"{ns}:inflight", 100, f"{ns}:quarantine", instance="alive", lease_s=5)
-    try:
-        for ticket in (Ticket("t", "sim"), Ticket("job", "sim", "offline")):
-            ids = [uuid.uuid4().hex for _ in range(5)]
-            assert dead.try_admit(ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
-                                  model_cap=100)[0] is Verdict.OK
-        assert alive.renew() == 0 and dead.in_flight(time.time()) == 10
-        time.sleep(0.3)
-        assert alive.renew() == 10
-        assert alive.in_flight(time.time()) == 0 and alive.tenant_in_flight("t", time.time()) == 0
-        assert not [k for k in client.scan_iter(f"{ns}:*") if client.type(k) == b"zset" and client.zcard(k)
-                    and not k.endswith(b":instances")]
-        assert not client.exists(f"{ns}:inflight:owner:dead")
-    finally:
-        for key in client.scan_iter(f"{ns}:*"):
-            client.delete(key)
+    client, prefix = ns
+    dead = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="dead", lease_s=0.2)
+    alive = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="alive", lease_s=5)
+    for ticket in (Ticket("t", "sim"), Ticket("job", "sim", "offline")):
+        ids = [uuid.uuid4().hex for _ in range(5)]
+        assert dead.try_admit(ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
+                              model_cap=100)[0] is Verdict.OK
+    assert alive.renew() == 0 and dead.in_flight(time.time()) == 10
+    time.sleep(0.3)
+    assert alive.renew() == 10
+    assert alive.in_flight(time.time()) == 0 and alive.tenant_in_flight("t", time.time()) == 0
+    assert not [k for k in client.scan_iter(f"{prefix}:*") if client.type(k) == b"zset" and client.zcard(k)
+                and not k.endswith(b":instances")]
+    assert not client.exists(f"{prefix}:inflight:owner:dead")

@@ -1,9 +1,7 @@
 """Redis going away and coming back, on a Redis server of this test's own (the shared one stays up)."""
 from __future__ import annotations
 
-import shutil
 import signal
-import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -13,47 +11,13 @@ import pytest
 import requests
 
 from tests.helpers import assert_json_error, expected, post
-from tests.stack import Stack, free_port, wait_for
-
-
-class PrivateRedis:
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL)
-        wait_for(lambda: _ping(self.port), 10, "the private Redis")
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.proc.terminate()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, not a shutdown (no persistence here either way: it comes back empty)."""
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait(timeout=10)
-            self.proc = None
-
-
-def _ping(port: int) -> bool:
-    import redis
-
-    try:
-        return bool(redis.Redis(port=port, socket_connect_timeout=0.5).ping())
-    except redis.RedisError:
-        return False
+from tests.services import PrivateRedis
+from tests.stack import Stack, wait_for
 
 
 @pytest.fixture
 def outage_stack(tmp_path: Path) -> Iterator[tuple[Stack, PrivateRedis]]:
-    private = PrivateRedis(free_port())
-    private.start()
+    private = PrivateRedis().start()
     stack = Stack(tmp_path, redis_url=f"redis://127.0.0.1:{private.port}/0", heartbeat_interval_s=0.25)
     try:
         stack.start_worker(0)
