@@ -126,10 +126,10 @@ class Gateway:
         self._workers: list[WorkerInfo] = []
         self._workers_checked = 0.0
 
-    def live_workers(self) -> list[WorkerInfo]:
-        """The live fleet; cached for half a heartbeat interval."""
+    def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
+        """The live fleet; cached for half a heartbeat interval (``fresh``: read it now)."""
         now = time.monotonic()
-        if now - self._workers_checked > self.settings.heartbeat_interval_s / 2:
+        if fresh or now - self._workers_checked > self.settings.heartbeat_interval_s / 2:
             try:
                 self._workers = self.fleet.live(time.time(), draining=True)
             except PoolExhausted as exc:
@@ -139,8 +139,8 @@ class Gateway:
             self._workers_checked = now
         return self._workers
 
-    def live_models(self) -> set[str]:
-        return {w.model for w in self.live_workers()}
+    def live_models(self, fresh: bool = False) -> set[str]:
+        return {w.model for w in self.live_workers(fresh)}
 
     def cap_for(self, model: str, timeout_s: float) -> int:
         """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s``."""
@@ -258,6 +258,8 @@ class Gateway:
             )
         try:  # after admission, so that a quarantined input is refused as such even while no worker is up
             models = self.live_models()
+            if call.model not in models:  # before refusing, make sure: the cached view may predate a worker
+                models = self.live_models(fresh=True)
             if call.model not in models:
                 served = ", ".join(sorted(models)) or "none"
                 raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
