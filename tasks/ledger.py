@@ -397,6 +397,10 @@ def refused_by_database(exc: BaseException) -> bool:
     return not isinstance(exc, SQLAlchemyError)
 
 
+class _Closed(Exception):
+    """The writer is closing and the database is still unreachable: stop retrying."""
+
+
 @dataclass
 class LedgerWriter:
     """Background writer: ``record`` never blocks and never raises.
@@ -415,6 +419,7 @@ class LedgerWriter:
     max_group: int = 100
     _queue: queue.Queue[LedgerEvent | None] = field(init=False)
     _thread: threading.Thread = field(init=False)
+    _closing: threading.Event = field(init=False, default_factory=threading.Event)
     dropped: int = field(default=0, init=False)  # records lost for any reason (buffer full, refused)
     refused: int = field(default=0, init=False)  # of which the database refused
 
@@ -439,7 +444,10 @@ class LedgerWriter:
         return not self._queue.unfinished_tasks
 
     def close(self, timeout_s: float = 5.0) -> None:
+        """Write what is buffered (for up to ``timeout_s``), then stop; with the database still away, what is
+        left is dropped and counted rather than retried for ever."""
         self.flush(timeout_s)
+        self._closing.set()
         self._queue.put_nowait(None)
 
     def _drop(self, n: int) -> None:
@@ -468,6 +476,9 @@ class LedgerWriter:
             try:
                 if group:
                     self._write(group)
+            except _Closed:
+                log.warning("ledger closing with the database unreachable: dropped %d record(s)", len(group))
+                self._drop(len(group))
             except Exception:  # never let the writer thread die
                 log.exception("ledger records could not be written; dropped %d", len(group))
                 self._drop(len(group))
@@ -511,6 +522,8 @@ class LedgerWriter:
             except Exception as exc:
                 if refused_by_database(exc):
                     return exc
+                if self._closing.is_set():
+                    raise _Closed() from exc
                 log.warning("ledger write failed (%s: %s); retrying in %g s with %d record(s) waiting",
                             type(exc).__name__, _first_line(exc), self.retry_s, self._queue.unfinished_tasks)
                 time.sleep(self.retry_s)

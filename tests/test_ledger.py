@@ -90,6 +90,8 @@ def test_a_database_outage_never_blocks_and_overflow_is_counted() -> None:
     assert time.monotonic() - started < 0.5, "recording must not wait for the database"
     assert writer.dropped >= 14 and sum(dropped) == writer.dropped
     assert not writer.flush(timeout_s=0.5)
+    writer.close(timeout_s=0.1)  # the database is still away: what is left is dropped, not retried for ever
+    assert writer.flush(timeout_s=5) and writer.dropped == 20 and sum(dropped) == 20
 
 
 # -- one record the database refuses must not stop the writer ------------------------------------------------
