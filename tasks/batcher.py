@@ -166,6 +166,7 @@ class Batcher:
         while retries or buffer.is_ready(now, self._wait_s(model, buffer, now)):
             if workers is None:
                 workers = self.live_workers()
+                self.scheduler.reconcile(workers, self.clock() - self.wallclock())
             choice = self.scheduler.choose(workers, model, now, avoid=avoid(retries[0][0]) if retries else ())
             worker = choice.worker
             if worker is None:  # every worker is busy enough (or none is alive): keep accumulating

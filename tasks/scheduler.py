@@ -47,12 +47,13 @@ class Choice:
 
 class Scheduler:
     def __init__(self, max_outstanding: int = 2, lead_s: float = 0.015, forget_after_s: float = 60.0,
-                 ema_alpha: float = 0.3) -> None:
+                 ema_alpha: float = 0.3, reconcile_margin_s: float = 1.0) -> None:
         if max_outstanding < 1:
             raise ValueError("max_outstanding must be at least 1")
         self.max_outstanding = max_outstanding
         self.lead_s = lead_s
         self.forget_after_s = forget_after_s
+        self.reconcile_margin_s = reconcile_margin_s  # how far two hosts' clocks may disagree
         self.alpha = ema_alpha
         self._tracks: dict[str, _Track] = {}
 
@@ -140,6 +141,22 @@ class Scheduler:
         if track.running == batch_id:
             track.running = None
         return track.outstanding.pop(batch_id, None) is not None
+
+    def reconcile(self, workers: Iterable[WorkerInfo], wall_to_mono: float) -> None:
+        """Forget batches a worker's own heartbeat says are over: it was idle with nothing outstanding at
+        ``heartbeat_at`` (its wall clock; ``wall_to_mono`` converts it to ours), so whatever was sent to it more
+        than ``reconcile_margin_s`` before then has finished and its announcement was lost (a broker
+        connection cut drops the fanout queue it travels on). Without this, lost announcements would hold a
+        worker at its outstanding limit until ``forget_after_s``."""
+        for w in workers:
+            track = self._tracks.get(w.id)
+            if track is None or not track.outstanding or w.outstanding or w.state != "idle":
+                continue
+            seen = w.heartbeat_at + wall_to_mono - self.reconcile_margin_s
+            for batch_id in [b for b, sent_at in track.outstanding.items() if sent_at < seen]:
+                del track.outstanding[batch_id]
+                if track.running == batch_id:
+                    track.running = None
 
     def forget_worker(self, worker_id: str) -> None:
         self._tracks.pop(worker_id, None)

@@ -14,6 +14,8 @@ import pytest
 
 from tests.stack import Stack
 
+pytest_plugins = ["tests.services"]  # fixtures of private services: private_redis, own_vhost, private_rabbit, rabbit
+
 PG_ADMIN = os.environ.get("LLMB_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 
 

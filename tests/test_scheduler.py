@@ -107,3 +107,21 @@ def test_ties_go_to_the_worker_sent_to_least_recently() -> None:
     s.sent("a", "1", now=1.0)
     s.finished("a", "1")
     assert s.choose([a, b], "sim", now=2.0).worker is b
+
+
+def test_a_lost_finished_announcement_is_repaired_by_the_workers_heartbeat() -> None:
+    """A broker cut can drop 'finished' announcements; the worker's idle heartbeat frees its slots again."""
+    from dataclasses import replace
+
+    s = Scheduler(max_outstanding=2)
+    a = worker("a")
+    s.sent("a", "a1", now=10.0)
+    s.sent("a", "a2", now=10.1)
+    assert s.choose([a], "sim", now=11.0).worker is None  # at its limit, as far as the scheduler knows
+    s.reconcile([replace(a, state="busy", outstanding=2, heartbeat_at=1012.0)], wall_to_mono=-1000.0)
+    assert s.outstanding("a", 12.0) == 2  # busy: the heartbeat proves nothing
+    s.reconcile([replace(a, heartbeat_at=1010.5)], wall_to_mono=-1000.0)
+    assert s.outstanding("a", 12.0) == 2  # idle, but too soon after the sends to be sure (clocks differ)
+    s.reconcile([replace(a, heartbeat_at=1012.0)], wall_to_mono=-1000.0)
+    assert s.outstanding("a", 12.0) == 0
+    assert s.choose([a], "sim", now=12.0).worker is not None

@@ -28,11 +28,10 @@ from tests.helpers import expected
 from tests.loadgen import LATE_SLACK_S, LoadReport, Outcome, SteadyLoad
 from tests.stack import Stack, wait_for
 
-if TYPE_CHECKING:  # imported by pytest_plugins below (so that its asserts are rewritten)
+if TYPE_CHECKING:  # the fixtures come from tests.services, a plugin of conftest.py
     from tests.services import PrivateRabbit, PrivateRedis, Vhost
 
 pytestmark = pytest.mark.fault
-pytest_plugins = ["tests.services"]  # its fixtures: private_redis, own_vhost, private_rabbit, rabbit
 
 
 # -- helpers --------------------------------------------------------------------------------------------------------
