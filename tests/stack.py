@@ -237,6 +237,15 @@ class Stack:
             _, count, _ = conn.default_channel.queue_declare(f"{self.namespace}.requests", passive=True)
             return int(count)
 
+    def request_queue_consumers(self) -> int:
+        """Batchers consuming the request queue now (0 if it does not exist yet)."""
+        try:
+            with Connection(self.broker_url) as conn:
+                _, _, consumers = conn.default_channel.queue_declare(f"{self.namespace}.requests", passive=True)
+                return int(consumers)
+        except Exception:  # not declared yet
+            return 0
+
     def items_done(self) -> int:
         return int(self.redis.get(f"{self.namespace}:stats:items_done") or 0)
 

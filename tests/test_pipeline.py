@@ -186,7 +186,7 @@ def test_killing_the_batcher_with_requests_buffered_loses_none(stack: Stack) -> 
     stack.kill("batcher", sig=15)
     # a fixed 60 s wait: it holds everything it gets
     stack.start_batcher("slow-batcher", wait_mode="fixed", max_wait_ms=60_000, max_batch_size=100)
-    time.sleep(2.0)  # the slow batcher is up and consuming
+    wait_for(lambda: stack.request_queue_consumers() == 1, 30, "the slow batcher to consume the request queue")
     keep = [f"survivor {i}" for i in range(10)]
     with ThreadPoolExecutor(max_workers=13) as pool:
         survivors = [pool.submit(post, stack.url, {"input": t, "timeout_ms": 60_000}) for t in keep]
