@@ -2,7 +2,7 @@
 
     python bench/reference.py --port 8100 --devices 2 --batch-ms 500
 
-Same flush policy object as the real batcher (:mod:`tasks.flush`), same simulated device (a fixed time per
+Same flush policy object as the real batcher (:mod:`tasks.policy.flush`), same simulated device (a fixed time per
 batch of up to 100), same request and answer shape, but no broker, no Redis, no separate processes: one
 gevent process where a request waits on an in-memory event. The benchmark runs the same load against it, so
 the report shows what the distributed system costs over this floor.
@@ -27,7 +27,7 @@ from gevent.pywsgi import WSGIServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_worker.backends.sim import sim_output  # noqa: E402
-from tasks.flush import BatchBuffer, FlushPolicy  # noqa: E402
+from tasks.policy.flush import BatchBuffer, FlushPolicy  # noqa: E402
 
 Item = tuple[str, AsyncResult]
 

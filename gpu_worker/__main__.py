@@ -52,15 +52,15 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
-    from tasks.celery_app import RUN_BATCH, make_celery
-    from tasks.claims import Claims
+    from tasks.broker.celery_app import RUN_BATCH, make_celery
     from tasks.config import Settings
-    from tasks.fleet import Fleet
-    from tasks.ledger import Ledger, LedgerWriter, make_engine
     from tasks.logs import setup_logging
-    from tasks.metrics import observe_batch
-    from tasks.results import ResultWriter
     from tasks.schema import Batch
+    from tasks.state.claims import Claims
+    from tasks.state.fleet import Fleet
+    from tasks.state.metrics import observe_batch
+    from tasks.state.results import ResultWriter
+    from tasks.store.ledger import Ledger, LedgerWriter, make_engine
 
     settings = Settings.from_env()
     setup_logging(settings)

@@ -11,7 +11,7 @@ The order matters, and it is Celery's own warm shutdown with two changes:
    and only then does the worker leave the fleet view.
 
 Batches a batcher sends after step 3 are taken back by that batcher from its own memory when it sees the
-worker gone (:mod:`tasks.recovery`). Nothing is lost at any step, and nobody is blamed: handed-back batches
+worker gone (:mod:`tasks.broker.recovery`). Nothing is lost at any step, and nobody is blamed: handed-back batches
 go again whole, charged no retry.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from celery.concurrency.base import BasePool
 from celery.concurrency.thread import TaskPool
 from kombu import Connection
 
-from tasks.celery_app import batch_of_task
+from tasks.broker.celery_app import batch_of_task
 from tasks.schema import Batch, Failure
 
 log = logging.getLogger("llmb.worker")

@@ -15,10 +15,10 @@ from celery.worker import state as celery_state
 from kombu import Connection
 
 from gpu_worker.runner import WorkerState
+from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue
 from tasks.config import Settings
-from tasks.fleet import DRAINING, BatchEvent, Fleet, WorkerInfo, fleet_exchange
-from tasks.queues import RETRY_POLICY, recovery_queue
-from tasks.schema import Batch, Failure
+from tasks.schema import DRAINING, Batch, BatchEvent, Failure, WorkerInfo
+from tasks.state.fleet import Fleet
 
 log = logging.getLogger("llmb.worker")
 

@@ -1,6 +1,6 @@
 """Runs one batch on the backend and writes every item's outcome: the body of the batch task.
 
-Before running, the worker claims the batch (:mod:`tasks.claims`): a batch that was reassigned while this
+Before running, the worker claims the batch (:mod:`tasks.state.claims`): a batch that was reassigned while this
 worker was away, or already done, is skipped; one whose previous holder died while running it goes back to
 the batcher to be split. Items whose caller's deadline has passed are dropped before the model runs.
 Outputs are mapped back by position. A batch on which the model raises (or returns the wrong number of
@@ -22,11 +22,10 @@ import redis
 from celery.exceptions import Reject
 
 from gpu_worker.backends import Backend, Hooks, ItemError
-from tasks.claims import DIED, MINE, SKIP, Claims
-from tasks.fleet import BatchEvent
-from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
-from tasks.results import ResultWriter, publish_deltas
-from tasks.schema import Batch, BatchItem, Failure, ItemResult
+from tasks.schema import Batch, BatchEvent, BatchItem, Failure, ItemResult
+from tasks.state.claims import DIED, MINE, SKIP, Claims
+from tasks.state.results import ResultWriter, publish_deltas
+from tasks.store.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
 
 log = logging.getLogger("llmb.worker")
 T = TypeVar("T")

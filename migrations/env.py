@@ -8,8 +8,8 @@ from tasks.config import Settings
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
 
-import tasks.tenants  # noqa: E402,F401  (its tables are on the same metadata)
-from tasks.ledger import Base, make_engine  # noqa: E402
+import tasks.store.tenants  # noqa: E402,F401  (its tables are on the same metadata)
+from tasks.store.ledger import Base, make_engine  # noqa: E402
 
 target_metadata = Base.metadata
 

@@ -14,7 +14,7 @@ class BatchingError(Exception):
         self.retry_after_s = retry_after_s
 
 
-class InvalidInput(BatchingError):
+class InvalidInput(BatchingError, ValueError):
     """Raised when a request body or one of its fields is malformed."""
 
     status = 400

@@ -7,9 +7,17 @@ before any policy sees them.
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
+
+
+class Priority(StrEnum):
+    """A call's class: interactive items go first in every batch; offline ones fill what is left and may wait."""
+
+    INTERACTIVE = "interactive"
+    OFFLINE = "offline"
 
 
 def input_hash(model: str, text: str) -> str:
@@ -38,7 +46,7 @@ class InferenceRequest:
     reply_to: str  # Redis channel of the API process holding the connection
     params: dict[str, Any] = field(default_factory=dict)  # model parameters (max_tokens, temperature, ...)
     weight: float = 1.0  # the tenant's share when tenants compete for batch slots
-    priority: str = "interactive"  # or "offline": goes after interactive work, may wait longer to fill
+    priority: Priority = Priority.INTERACTIVE
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -54,7 +62,7 @@ class InferenceRequest:
                 id=str(d["id"]), tenant=str(d["tenant"]), model=str(d["model"]), items=items,
                 accepted_at=float(d["accepted_at"]), deadline=float(d["deadline"]), reply_to=str(d["reply_to"]),
                 params=dict(d.get("params") or {}), weight=float(d.get("weight", 1.0)),
-                priority=str(d.get("priority", "interactive")),
+                priority=Priority(d.get("priority", Priority.INTERACTIVE)),
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed request message: {exc!r}") from None
@@ -134,3 +142,56 @@ class ItemResult:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ItemResult":
         return cls(**d)
+
+
+DRAINING = "draining"
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    id: str  # Celery hostname, e.g. gpu0@host
+    queue: str  # the worker's own batch queue
+    model: str
+    max_batch: int
+    state: str  # "idle", "busy" or DRAINING (stopping: finishing its batch, taking no more)
+    outstanding: int  # batches received and not finished, the running one included
+    completed: int  # batches finished since the worker started
+    batch_started_at: float | None  # when the running batch started, if busy
+    batch_ms_estimate: float  # moving average of batch run time
+    heartbeat_at: float
+    free_in_ms: float = 0.0  # estimated time until the running batch ends
+    kind: str = "sim"  # "sim", "causal" or "embed"
+    slots: int = 1  # batches it runs at once (continuous batching: several share the decode batch)
+    kv_tokens: int = 0  # continuous batching: tokens its KV cache holds, the real limit on concurrency
+    tokens_per_s: float = 0.0  # over the last minute
+    utilisation: float = 0.0  # fraction of the last minute spent running batches
+    max_context: int = 0  # tokens per item (prompt + output), 0 when it does not apply
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, raw: str | bytes) -> "WorkerInfo":
+        return cls(**json.loads(raw))
+
+
+@dataclass(frozen=True)
+class BatchEvent:
+    """A worker started or finished a batch: the scheduler's view of each device, as it happens."""
+
+    worker: str
+    batch_id: str
+    event: str  # "started" or "finished"
+    run_ms: float | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> "BatchEvent":
+        event = str(d["event"])
+        if event not in ("started", "finished"):
+            raise ValueError(f"unknown batch event {event!r}")
+        run_ms = d.get("run_ms")
+        return cls(worker=str(d["worker"]), batch_id=str(d["batch_id"]), event=event,
+                   run_ms=None if run_ms is None else float(run_ms))  # type: ignore[arg-type]

@@ -83,7 +83,7 @@ class Stack:
     def start_flower(self) -> str:
         """Flower as the Procfile runs it, with the basic auth the Procfile asks for to open its API."""
         port = free_port()
-        self._spawn("flower", [str(BIN / "celery"), "-A", "tasks.celery_app", "flower", "--address=127.0.0.1",
+        self._spawn("flower", [str(BIN / "celery"), "-A", "tasks.broker.celery_app", "flower", "--address=127.0.0.1",
                                f"--port={port}"], raw_env={"FLOWER_BASIC_AUTH": ":".join(self.FLOWER_AUTH)})
         return f"http://127.0.0.1:{port}"
 

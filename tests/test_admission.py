@@ -8,8 +8,9 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tasks.admission import Admission, Ticket, Verdict, deadline_cap
-from tasks.fleet import WorkerInfo
+from tasks.policy.capacity import deadline_cap, recommended_workers
+from tasks.schema import WorkerInfo
+from tasks.state.admission import Admission, Ticket, Verdict
 from tests.stack import REDIS_URL
 
 
@@ -27,7 +28,6 @@ def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> Non
 
 
 def test_recommended_workers_follow_arrival_rate_batch_time_and_headroom() -> None:
-    from tasks.autoscale import recommended_workers
 
     def w(batch_ms: float) -> WorkerInfo:
         return WorkerInfo(id="w", queue="q", model="sim", max_batch=100, state="idle", outstanding=0, completed=0,
@@ -48,7 +48,7 @@ def test_admission_caps_against_the_real_redis() -> None:
 
     import redis
 
-    from tasks.admission import Admission, Ticket, Verdict
+    from tasks.state.admission import Admission, Ticket, Verdict
     from tests.stack import REDIS_URL
 
     client = redis.Redis.from_url(REDIS_URL)

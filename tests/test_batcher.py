@@ -3,11 +3,10 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.batcher import Batcher
-from tasks.fleet import WorkerInfo
-from tasks.flush import FlushPolicy
-from tasks.schema import Batch, InferenceRequest, Item
-from tasks.wait import WaitPolicy
+from tasks.policy.batcher import Batcher
+from tasks.policy.flush import FlushPolicy
+from tasks.policy.wait import WaitPolicy
+from tasks.schema import Batch, InferenceRequest, Item, WorkerInfo
 
 
 class Clock:
@@ -213,11 +212,11 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     from kombu import Connection
     from kombu.exceptions import EncodeError
 
-    from tasks.claims import Claims
-    from tasks.fleet import Fleet
-    from tasks.quarantine import Quarantine
-    from tasks.recovery import Recovery
-    from tasks.results import ResultWriter
+    from tasks.broker.recovery import Recovery
+    from tasks.state.claims import Claims
+    from tasks.state.fleet import Fleet
+    from tasks.state.quarantine import Quarantine
+    from tasks.state.results import ResultWriter
     from tests.stack import BROKER_URL, REDIS_URL
 
     h = Harness(size=1, workers=1)

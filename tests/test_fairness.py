@@ -3,12 +3,13 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tasks.fairness import INTERACTIVE, OFFLINE, DeficitRoundRobin, FairBuffer, Waiting
-from tasks.flush import FlushPolicy
+from tasks.policy.fairness import DeficitRoundRobin, FairBuffer, Waiting
+from tasks.policy.flush import FlushPolicy
+from tasks.schema import Priority
 
 
 def waiting(tenant: str, k: int, *, at: float = 0.0, deadline: float = 100.0,
-            priority: str = INTERACTIVE) -> Waiting[str]:
+            priority: str = Priority.INTERACTIVE) -> Waiting[str]:
     return Waiting(f"{tenant}{k}", at, deadline, tenant, priority)
 
 
@@ -76,7 +77,7 @@ def test_put_back_restores_order() -> None:
 def test_interactive_goes_first_and_offline_fills_the_rest() -> None:
     buf: FairBuffer[str] = FairBuffer(FlushPolicy(10, 0.02), offline_wait_s=0.5)
     for k in range(8):
-        buf.add(f"off{k}", now=0.0, deadline=100, tenant="batch-job", priority=OFFLINE)
+        buf.add(f"off{k}", now=0.0, deadline=100, tenant="batch-job", priority=Priority.OFFLINE)
     for k in range(4):
         buf.add(f"int{k}", now=0.01, deadline=100, tenant="chat")
     batch = [w.item for w in buf.take()]
@@ -85,7 +86,7 @@ def test_interactive_goes_first_and_offline_fills_the_rest() -> None:
 
 def test_offline_waits_longer_to_fill() -> None:
     buf: FairBuffer[str] = FairBuffer(FlushPolicy(100, 0.02), offline_wait_s=0.5)
-    buf.add("off", now=0.0, deadline=100, priority=OFFLINE)
+    buf.add("off", now=0.0, deadline=100, priority=Priority.OFFLINE)
     assert not buf.is_ready(0.1)
     assert buf.seconds_until_ready(0.1) == 0.4
     buf.add("int", now=0.2, deadline=100)
@@ -105,7 +106,7 @@ def test_expired_items_are_dropped_from_every_tenant() -> None:
     buf: FairBuffer[str] = FairBuffer(FlushPolicy(100, 0.02))
     buf.add("a-late", now=0.0, deadline=1.0, tenant="a")
     buf.add("a-ok", now=0.0, deadline=9.0, tenant="a")
-    buf.add("b-late", now=0.0, deadline=2.0, tenant="b", priority=OFFLINE)
+    buf.add("b-late", now=0.0, deadline=2.0, tenant="b", priority=Priority.OFFLINE)
     assert buf.drop_expired(0.5) == []
     assert sorted(buf.drop_expired(2.0)) == ["a-late", "b-late"]
     assert [w.item for w in buf.take()] == ["a-ok"]

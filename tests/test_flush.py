@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.flush import BatchBuffer, FlushPolicy
+from tasks.policy.flush import BatchBuffer, FlushPolicy
 
 
 def buffer(size: int = 3, wait_s: float = 0.020) -> BatchBuffer[str]:

@@ -27,8 +27,8 @@ from flask.testing import FlaskClient
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput
-from tasks.ledger import Base, make_engine
-from tasks.tenants import ApiKeyRecord, KeyStore, TenantRecord
+from tasks.store.ledger import Base, make_engine
+from tasks.store.tenants import ApiKeyRecord, KeyStore, TenantRecord
 from tests.helpers import assert_json_error, expected, post
 from tests.stack import ROOT, Stack, wait_for
 from webapp import create_app

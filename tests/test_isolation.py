@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import itertools
 
-from tasks.isolation import avoid, plan
+from tasks.policy.isolation import avoid, plan
 from tasks.schema import Batch, BatchItem, Failure
 
 

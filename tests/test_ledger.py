@@ -9,7 +9,8 @@ from sqlalchemy import inspect, select
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError, StatementError
 from sqlalchemy.orm import Session
 
-from tasks.ledger import (
+from tasks.schema import Batch, BatchItem
+from tasks.store.ledger import (
     BatchOutcome,
     BatchRecord,
     BatchRequest,
@@ -25,7 +26,6 @@ from tasks.ledger import (
     refused_by_database,
     storable,
 )
-from tasks.schema import Batch, BatchItem
 from tests.stack import BIN, ROOT
 
 TABLES = {"requests", "batches", "batch_requests", "quarantined_inputs", "tenants", "api_keys"}
@@ -107,7 +107,7 @@ def stored(url: str) -> dict[str, RequestRecord]:
 
 
 def test_every_text_column_of_the_ledger_is_made_storable() -> None:
-    from tasks.ledger import Base
+    from tasks.store.ledger import Base
 
     for table in ("requests", "batches", "batch_requests", "quarantined_inputs"):
         for column in Base.metadata.tables[table].columns:

@@ -101,7 +101,7 @@ def test_errors_come_back_in_openai_shape(client: "openai.OpenAI", models_stack:
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
-    from tasks.ledger import RequestRecord, make_engine
+    from tasks.store.ledger import RequestRecord, make_engine
     from tests.stack import wait_for
 
     with Session(make_engine(models_stack.database_url)) as s:  # the ledger says why it was not answered

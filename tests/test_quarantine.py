@@ -14,11 +14,11 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
-from tasks.admission import Admission, Ticket, Verdict
 from tasks.cli import cli
-from tasks.ledger import Ledger, Quarantined, make_engine
-from tasks.quarantine import Quarantine, QuarantineSync
 from tasks.schema import BatchItem, input_hash
+from tasks.state.admission import Admission, Ticket, Verdict
+from tasks.state.quarantine import Quarantine, QuarantineSync
+from tasks.store.ledger import Ledger, Quarantined, make_engine
 from tests.stack import REDIS_URL
 
 
@@ -66,7 +66,7 @@ def enforcement(ns: str, url: str) -> list[tuple[str, bool | None]]:
 
 
 def poison(quarantine: Quarantine, ledger: Ledger, text: str) -> str:
-    """Quarantine an input as :meth:`tasks.recovery.Recovery._poison` does: Redis, then the ledger record."""
+    """Quarantine an input as :meth:`tasks.broker.recovery.Recovery._poison` does: Redis, then the ledger record."""
     item = BatchItem(id=uuid.uuid4().hex, request_id=f"corr-{uuid.uuid4().hex[:6]}", input=text,
                      deadline=time.time() + 30, accepted_at=time.time(), reply_to="c")
     digest = input_hash("sim", text)

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.fleet import WorkerInfo
-from tasks.scheduler import Scheduler
+from tasks.policy.scheduler import Scheduler
+from tasks.schema import WorkerInfo
 
 
 def worker(wid: str, model: str = "sim", batch_ms: float = 250.0) -> WorkerInfo:

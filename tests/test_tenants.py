@@ -16,8 +16,8 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from tasks.errors import InvalidInput, Unauthorized, Unavailable
-from tasks.ledger import Base, make_engine
-from tasks.tenants import (
+from tasks.store.ledger import Base, make_engine
+from tasks.store.tenants import (
     KEY_FORMAT,
     ApiKeyRecord,
     KeyStore,

@@ -5,7 +5,8 @@ import pytest
 
 from tasks.config import Settings
 from tasks.errors import Forbidden, InvalidInput
-from tasks.tenants import Principal, Priority, TenantPolicy
+from tasks.policy.tenancy import Principal, TenantPolicy
+from tasks.schema import Priority
 from webapp.validation import bind, parse_infer, request_id_from
 
 S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000, offline_max_timeout_ms=9000)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from tasks.wait import ArrivalRate, WaitPolicy
+from tasks.policy.wait import ArrivalRate, WaitPolicy
 
 ADAPTIVE = WaitPolicy("adaptive", fixed_s=0.020, min_s=0.001, max_s=0.050, batch_fraction=0.2)
 

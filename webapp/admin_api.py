@@ -12,11 +12,11 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
 
-from tasks.autoscale import model_report
+from tasks.broker.gateway import Gateway
 from tasks.config import Settings
 from tasks.errors import InvalidInput, Unavailable
-from tasks.gateway import Gateway
-from tasks.tenants import KeyStore
+from tasks.state.admission import model_report
+from tasks.store.tenants import KeyStore
 from webapp import tenancy
 from webapp.body import read_json
 from webapp.errors import error_response
@@ -109,4 +109,4 @@ def revoke_key(key_id: str) -> Response:
 def stats() -> Response:
     settings: Settings = current_app.extensions["llmb_settings"]
     gateway = _gateway()
-    return jsonify(models=model_report(settings, gateway.admission, gateway.live_workers(), time.time()))
+    return jsonify(models=model_report(gateway.admission, gateway.live_workers(), time.time(), settings.scale_headroom))

@@ -13,12 +13,12 @@ import redis
 from flask import Flask, Response, current_app, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 
+from tasks.broker.gateway import Answer, Gateway, redis_client
+from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
-from tasks.gateway import Answer, Gateway, redis_client
 from tasks.logs import setup_logging
-from tasks.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
-from tasks.queues import RequestPublisher
-from tasks.tenants import KeyStore, TenantDirectory
+from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
+from tasks.store.tenants import KeyStore, TenantDirectory
 from webapp import admin_api, openai_api, tenancy
 from webapp.body import read_json
 from webapp.door import Door, DoorMiddleware

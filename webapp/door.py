@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from tasks.config import Settings
 from tasks.errors import Overloaded, QueueFull
-from tasks.metrics import HTTP_REQUESTS
+from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import error_body, openai_error_body
 from webapp.validation import request_id_from
 from webapp.worker import arrival

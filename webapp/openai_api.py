@@ -15,9 +15,10 @@ from typing import Any, TypeVar
 from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
 from werkzeug.exceptions import HTTPException
 
+from tasks.broker.gateway import Call, Gateway
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
-from tasks.gateway import Call, Gateway
+from tasks.schema import Priority
 from webapp import tenancy
 from webapp.body import read_json
 from webapp.errors import openai_error_body
@@ -99,7 +100,7 @@ def _bind(call: Call, body: Any) -> Call:
     """The caller's tenant policy on the call; ``service_tier: "flex"`` (or ``priority: "offline"``) asks for
     offline priority, as OpenAI's flex tier trades latency for price."""
     offline = isinstance(body, dict) and (body.get("service_tier") == "flex" or body.get("priority") == "offline")
-    call = replace(call, priority="offline" if offline else "interactive")
+    call = replace(call, priority=Priority.OFFLINE if offline else Priority.INTERACTIVE)
     settings = _settings()
     principal = tenancy.caller() if settings.auth != "none" else tenancy.caller(call.tenant)
     g.tenant = principal.tenant.name

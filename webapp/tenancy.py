@@ -8,8 +8,9 @@ from __future__ import annotations
 from flask import current_app, request
 
 from tasks.config import Settings
-from tasks.errors import Forbidden, InvalidInput, Unauthorized
-from tasks.tenants import HOW_TO_AUTH, TENANT_NAME, Principal, TenantDirectory
+from tasks.errors import Forbidden, Unauthorized
+from tasks.policy.tenancy import Principal, check_tenant_name
+from tasks.store.tenants import HOW_TO_AUTH, TenantDirectory
 
 
 def _directory() -> TenantDirectory:
@@ -33,9 +34,7 @@ def bearer_key() -> str | None:
 def caller(named_tenant: str | None = None) -> Principal:
     """The caller of an inference route. Without auth, the tenant named by the request (or 'default')."""
     if _settings().auth == "none":
-        name = named_tenant or request.headers.get("X-Tenant") or "default"
-        if not TENANT_NAME.match(name):
-            raise InvalidInput("the tenant must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        name = check_tenant_name(named_tenant or request.headers.get("X-Tenant") or "default")
         return Principal(tenant=_directory().policy(name), key_id="", admin=False)
     return _directory().principal(bearer_key())
 

@@ -1,4 +1,4 @@
-"""Request validation without I/O: a JSON body in, a :class:`tasks.gateway.Call` or InvalidInput out."""
+"""Request validation without I/O: a JSON body in, a :class:`tasks.broker.gateway.Call` or InvalidInput out."""
 from __future__ import annotations
 
 import re
@@ -6,13 +6,13 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
+from tasks.broker.gateway import Call
 from tasks.config import Settings
 from tasks.errors import Forbidden, InvalidInput
-from tasks.gateway import Call
-from tasks.tenants import Principal, Priority
+from tasks.policy.tenancy import Principal, check_tenant_name
+from tasks.schema import Priority
 
 REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-TENANT = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 MODEL = re.compile(r"^[A-Za-z0-9._/-]{1,128}$")  # hub ids and folder names; no ':' (model names are in Redis keys)
 
 
@@ -52,9 +52,7 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
     model = body.get("model", settings.default_model)
     check_model(model)
 
-    tenant = body.get("tenant", tenant_header or "default")
-    if not isinstance(tenant, str) or not TENANT.match(tenant):
-        raise InvalidInput("'tenant' must be 1-64 characters of letters, digits, '.', '_' or '-'")
+    tenant = check_tenant_name(body.get("tenant", tenant_header or "default"))
 
     return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=int(timeout_ms),
                 priority=parse_priority(body.get("priority")))
@@ -72,12 +70,12 @@ def timeout_limit_ms(settings: Settings) -> int:
     return max(settings.max_timeout_ms, settings.offline_max_timeout_ms)
 
 
-def parse_priority(value: Any) -> str:
+def parse_priority(value: Any) -> Priority:
     if value is None:
         return Priority.INTERACTIVE
     if value not in (Priority.INTERACTIVE, Priority.OFFLINE):
         raise InvalidInput("'priority' must be 'interactive' (the default) or 'offline'")
-    return str(value)
+    return Priority(value)
 
 
 def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant: str | None = None,
@@ -97,5 +95,5 @@ def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant
     if priority == Priority.INTERACTIVE and call.timeout_ms > settings.max_timeout_ms:
         raise InvalidInput(f"'timeout_ms' must be at most {settings.max_timeout_ms} for interactive requests; "
                            "longer deadlines need \"priority\": \"offline\"")
-    return replace(call, tenant=policy.name, weight=policy.weight, priority=str(priority),
+    return replace(call, tenant=policy.name, weight=policy.weight, priority=priority,
                    tenant_cap=policy.max_in_flight, received_at=received_at)

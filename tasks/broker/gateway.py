@@ -17,7 +17,7 @@ import redis
 from amqp.exceptions import AMQPError
 from kombu.exceptions import KombuError
 
-from tasks.admission import Admission, Ticket, Verdict, deadline_cap
+from tasks.broker.queues import PublisherBusy, PublishTimeout, RequestPublisher
 from tasks.config import Settings
 from tasks.errors import (
     BatchingError,
@@ -31,10 +31,11 @@ from tasks.errors import (
     TenantOverLimit,
     Unavailable,
 )
-from tasks.fleet import Fleet, WorkerInfo
-from tasks.queues import PublisherBusy, PublishTimeout, RequestPublisher
-from tasks.results import ResultListener
-from tasks.schema import InferenceRequest, Item, ItemResult, input_hash
+from tasks.policy.capacity import deadline_cap
+from tasks.schema import InferenceRequest, Item, ItemResult, Priority, WorkerInfo, input_hash
+from tasks.state.admission import Admission, Ticket, Verdict
+from tasks.state.fleet import Fleet
+from tasks.state.results import ResultListener
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ class Call:
     timeout_ms: int
     params: dict[str, Any] = field(default_factory=dict)  # model parameters, passed to the worker as they are
     weight: float = 1.0  # the tenant's share of batch slots when tenants compete
-    priority: str = "interactive"  # or "offline"
+    priority: Priority = Priority.INTERACTIVE
     tenant_cap: int | None = None  # the tenant's in-flight cap (None: only the global caps)
     received_at: float | None = None  # when it reached this host (monotonic): its deadline counts from then
 

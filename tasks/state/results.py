@@ -17,8 +17,8 @@ from typing import Any
 
 import redis
 
-from tasks.claims import DONE
 from tasks.schema import BatchItem, ItemResult
+from tasks.state.claims import DONE
 
 log = logging.getLogger(__name__)
 Read = Callable[[Sequence[str]], list[bytes | None]]  # item ids -> their result keys' values, in order

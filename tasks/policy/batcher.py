@@ -1,7 +1,7 @@
 """The batcher: turns a stream of request messages into batches and hands each to a GPU worker.
 
 Plain Python with its I/O injected (a ``dispatch`` function and a ``live_workers`` function), so the
-Celery bootstep in :mod:`tasks.consumer` is only glue. Guarantees:
+Celery bootstep in :mod:`tasks.broker.consumer` is only glue. Guarantees:
 
 - a request message is acknowledged only when every one of its items has been durably handed on in a batch
   (``dispatch`` returned, which means the broker confirmed it) or dropped because its deadline passed, so
@@ -22,13 +22,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from tasks.fairness import FairBuffer, Waiting
-from tasks.fleet import WorkerInfo
-from tasks.flush import FlushPolicy
-from tasks.isolation import Plan, avoid, plan
-from tasks.scheduler import Scheduler
-from tasks.schema import Batch, BatchItem, Failure, InferenceRequest
-from tasks.wait import ArrivalRate, WaitPolicy
+from tasks.policy.fairness import FairBuffer, Waiting
+from tasks.policy.flush import FlushPolicy
+from tasks.policy.isolation import Plan, avoid, plan
+from tasks.policy.scheduler import Scheduler
+from tasks.policy.wait import ArrivalRate, WaitPolicy
+from tasks.schema import Batch, BatchItem, Failure, InferenceRequest, WorkerInfo
 
 log = logging.getLogger(__name__)
 
@@ -278,7 +277,7 @@ class Batcher:
         return FairBuffer(self.policy, quantum=self.quantum, offline_wait_s=self.offline_wait_s, size_of=_size)
 
     def _wait_s(self, model: str, buffer: FairBuffer[_Entry], now: float) -> float:
-        """How long this model's oldest interactive item may wait (see :mod:`tasks.wait`)."""
+        """How long this model's oldest interactive item may wait (see :mod:`tasks.policy.wait`)."""
         if self.wait.mode == "fixed" or not buffer:
             return self.wait.fixed_s
         workers = self.live_workers()

@@ -1,9 +1,9 @@
 """The batcher process: a Celery worker whose only job is a bootstep consuming the request queue.
 
-The bootstep is glue between kombu and :class:`tasks.batcher.Batcher`: it decodes messages at the edge,
+The bootstep is glue between kombu and :class:`tasks.policy.batcher.Batcher`: it decodes messages at the edge,
 arms one timer on the worker's event loop for the next flush, refreshes the fleet view from Redis, and
 publishes each batch as a Celery task to the chosen worker's own queue, with publisher confirms. It also
-consumes the workers' batch announcements and the recovery queue (:mod:`tasks.recovery`), and checks for
+consumes the workers' batch announcements and the recovery queue (:mod:`tasks.broker.recovery`), and checks for
 lost workers at every tick.
 """
 from __future__ import annotations
@@ -20,20 +20,20 @@ import redis
 from celery import Celery, bootsteps
 from kombu import Consumer, Message, Queue
 
-from tasks.batcher import Batcher
-from tasks.celery_app import RUN_BATCH, make_celery, settings_of
-from tasks.claims import Claims
+from tasks.broker.celery_app import RUN_BATCH, make_celery, settings_of
+from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue, request_queue
+from tasks.broker.recovery import Recovery
 from tasks.config import Settings
-from tasks.fleet import BatchEvent, Fleet, WorkerInfo, fleet_exchange
-from tasks.flush import FlushPolicy
-from tasks.ledger import ItemsOutcome, Ledger, LedgerWriter, make_engine
 from tasks.logs import setup_logging
-from tasks.quarantine import Quarantine, QuarantineSync
-from tasks.queues import RETRY_POLICY, recovery_queue, request_queue
-from tasks.recovery import Recovery
-from tasks.results import ResultWriter
-from tasks.schema import Batch, BatchItem, InferenceRequest
-from tasks.wait import WaitPolicy
+from tasks.policy.batcher import Batcher
+from tasks.policy.flush import FlushPolicy
+from tasks.policy.wait import WaitPolicy
+from tasks.schema import Batch, BatchEvent, BatchItem, InferenceRequest, WorkerInfo
+from tasks.state.claims import Claims
+from tasks.state.fleet import Fleet
+from tasks.state.quarantine import Quarantine, QuarantineSync
+from tasks.state.results import ResultWriter
+from tasks.store.ledger import ItemsOutcome, Ledger, LedgerWriter, make_engine
 
 log = logging.getLogger("llmb.batcher")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from tasks.fleet import WorkerInfo
+from tasks.schema import WorkerInfo
 
 
 @dataclass

@@ -5,14 +5,14 @@ acknowledged only once the batches that replace it are handed to workers (or its
 batcher that dies half way loses nothing. Two kinds of message arrive there:
 
 - from workers: a batch the model raised on, or one whose previous runner died (the worker found out from
-  the batch's claim, see :mod:`tasks.claims`);
+  the batch's claim, see :mod:`tasks.state.claims`);
 - from batchers, "lost": a batch of a worker that is gone. A worker is lost when its heartbeat goes stale,
   or sooner when its batch queue has no consumer left (a killed process closes its connection and RabbitMQ
   returns its unacknowledged batches to that queue at once). Its batches are collected from this batcher's
   memory (a frozen worker still holds them) and by draining its queue; the batch's claim then says whether
   it never started (stranded: send it again), was running (died: split it), or was dealt with (skip).
 
-The decisions are :func:`tasks.isolation.plan`'s; this module does the I/O around them.
+The decisions are :func:`tasks.policy.isolation.plan`'s; this module does the I/O around them.
 """
 from __future__ import annotations
 
@@ -26,16 +26,16 @@ from typing import Any
 import redis
 from kombu import Connection, Message
 
-from tasks.batcher import Batcher
-from tasks.celery_app import batch_of_task
-from tasks.claims import SKIP, STRANDED, Claims
+from tasks.broker.celery_app import batch_of_task
+from tasks.broker.queues import RETRY_POLICY, recovery_queue
 from tasks.errors import PoisonInput, RetriesExhausted
-from tasks.fleet import DRAINING, Fleet
-from tasks.ledger import BatchOutcome, ItemsOutcome, LedgerEvent, Quarantined
-from tasks.quarantine import Quarantine
-from tasks.queues import RETRY_POLICY, recovery_queue
-from tasks.results import ResultWriter
-from tasks.schema import Batch, BatchItem, Failure, ItemResult, input_hash
+from tasks.policy.batcher import Batcher
+from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, input_hash
+from tasks.state.claims import SKIP, STRANDED, Claims
+from tasks.state.fleet import Fleet
+from tasks.state.quarantine import Quarantine
+from tasks.state.results import ResultWriter
+from tasks.store.ledger import BatchOutcome, ItemsOutcome, LedgerEvent, Quarantined
 
 log = logging.getLogger("llmb.recovery")
 

@@ -15,7 +15,7 @@ import json
 import socket
 import time
 
-from kombu import Connection, Queue
+from kombu import Connection, Exchange, Queue
 from kombu.exceptions import LimitExceeded
 from kombu.pools import ProducerPool
 
@@ -109,3 +109,11 @@ class RequestPublisher:
     def close(self) -> None:
         self.producers.force_close_all()
         self.pool.force_close_all()
+
+
+def fleet_exchange(namespace: str) -> Exchange:
+    """Fanout on which workers announce each batch they start and finish; every batcher binds its own queue.
+
+    Announcements are transient: one lost only delays the scheduler (see Scheduler.forget_after_s).
+    """
+    return Exchange(f"{namespace}.fleet", type="fanout", durable=False, delivery_mode=1)

@@ -24,7 +24,6 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from datetime import datetime, timezone
-from enum import StrEnum
 from typing import Generic, NoReturn, TypeVar
 
 from sqlalchemy import Boolean, DateTime, Float, Integer, String, select, union, update
@@ -34,38 +33,15 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Mapped, Session, mapped_column
 
 from tasks.config import Settings
-from tasks.errors import InvalidInput, Unauthorized, Unavailable
-from tasks.ledger import Base, make_engine
+from tasks.errors import Unauthorized, Unavailable
+from tasks.policy.tenancy import Principal, TenantPolicy, check_priority, check_tenant_name
+from tasks.schema import Priority
+from tasks.store.ledger import Base, make_engine
 
 log = logging.getLogger("llmb.tenants")
 
-MAX_WEIGHT = 1000.0  # shares are relative: 1000:1 is already "the other tenant gets the crumbs"
-MAX_IN_FLIGHT = 2**31 - 1  # the column is a 32-bit integer
-TENANT_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
 KEY_FORMAT = re.compile(r"^llmb_([0-9a-f]{8})_[A-Za-z0-9_-]{16,128}$")
 HOW_TO_AUTH = "send Authorization: Bearer <key>; keys are issued with `llmb-admin keys create <tenant>`"
-
-
-class Priority(StrEnum):
-    INTERACTIVE = "interactive"
-    OFFLINE = "offline"
-
-
-@dataclass(frozen=True)
-class TenantPolicy:
-    name: str
-    weight: float
-    max_in_flight: int
-    priority: Priority
-
-
-@dataclass(frozen=True)
-class Principal:
-    """Who a request comes from: its tenant's policy, and which key (for logs) with which rights."""
-
-    tenant: TenantPolicy
-    key_id: str
-    admin: bool
 
 
 @dataclass(frozen=True)
@@ -127,19 +103,6 @@ def key_id_of(key: str) -> str | None:
     return match.group(1) if match else None
 
 
-def check_tenant_name(name: str) -> str:
-    if not TENANT_NAME.match(name):
-        raise ValueError(f"tenant name {name!r} is not 1-64 letters, digits, '.', '_' or '-'")
-    return name
-
-
-def _priority(value: str | Priority) -> Priority:
-    try:
-        return Priority(value)
-    except ValueError:
-        raise ValueError(f"priority {value!r} is not one of {', '.join(p.value for p in Priority)}") from None
-
-
 def _utc(value: datetime) -> datetime:
     """SQLite hands timezone-aware columns back naive; they were written in UTC."""
     return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
@@ -151,20 +114,13 @@ class KeyStore:
     def __init__(self, engine: Engine, *, weight: float = 1.0, max_in_flight: int = 5000,
                  priority: str | Priority = Priority.INTERACTIVE) -> None:
         self.engine = engine
-        self.defaults = self._validated(TenantPolicy("", weight, max_in_flight, _priority(priority)))
+        self.defaults = TenantPolicy("", weight, max_in_flight, check_priority(priority)).checked()
 
     @classmethod
     def from_settings(cls, settings: Settings, engine: Engine | None = None) -> KeyStore:
         return cls(engine or make_engine(settings.database_url), weight=settings.tenant_weight,
                    max_in_flight=settings.tenant_max_in_flight, priority=settings.tenant_priority)
 
-    @staticmethod
-    def _validated(policy: TenantPolicy) -> TenantPolicy:
-        if not (0 < policy.weight <= MAX_WEIGHT and math.isfinite(policy.weight)):
-            raise ValueError(f"weight must be a number more than 0 and at most {MAX_WEIGHT:g}, not {policy.weight}")
-        if not 1 <= policy.max_in_flight <= MAX_IN_FLIGHT:
-            raise ValueError(f"max_in_flight must be from 1 to {MAX_IN_FLIGHT}, not {policy.max_in_flight}")
-        return policy
 
     # -- keys ---------------------------------------------------------------------------------------------
     def create_key(self, tenant: str, admin: bool = False, label: str | None = None) -> tuple[str, str]:
@@ -234,10 +190,10 @@ class KeyStore:
         if max_in_flight is not None:
             changes["max_in_flight"] = int(max_in_flight)
         if priority is not None:
-            changes["priority"] = _priority(priority).value
-        self._validated(TenantPolicy(name, weight if weight is not None else self.defaults.weight,
-                                     max_in_flight if max_in_flight is not None else self.defaults.max_in_flight,
-                                     self.defaults.priority))
+            changes["priority"] = check_priority(priority).value
+        TenantPolicy(name, weight if weight is not None else self.defaults.weight,
+                     max_in_flight if max_in_flight is not None else self.defaults.max_in_flight,
+                     self.defaults.priority).checked()
         now = datetime.now(timezone.utc)
         row = {"name": name, "weight": self.defaults.weight, "max_in_flight": None, "priority": None,
                "created_at": now, "updated_at": now} | changes
@@ -490,8 +446,7 @@ class TenantDirectory:
 
     def policy(self, tenant: str) -> TenantPolicy:
         """A tenant's policy by name (when authentication is off and the caller names its tenant)."""
-        if not TENANT_NAME.match(tenant):
-            raise InvalidInput(f"tenant {tenant!r} is not 1-64 letters, digits, '.', '_' or '-'")
+        check_tenant_name(tenant)
         try:
             found = self._policies.get(tenant, lambda: self.store.policy(tenant))
             assert found is not None  # a tenant without settings has the defaults

@@ -64,7 +64,7 @@ class Quarantine:
         return bool(self.client.exists(self.loaded_key))
 
     def restore(self, entries: Iterable[dict[str, Any]]) -> int:
-        """Add durable entries (:meth:`tasks.ledger.Ledger.quarantined`) to the enforced set, then set the marker,
+        """Add durable entries (:meth:`tasks.store.ledger.Ledger.quarantined`) to the enforced set, then set the marker,
         in one transaction; returns how many entries there were.
 
         Only adds: an entry quarantined since Redis came back (and perhaps not yet in the ledger, whose writer
@@ -82,7 +82,7 @@ class Quarantine:
 
 
 class QuarantineSource(Protocol):
-    """Where the durable quarantine is read from: :class:`tasks.ledger.Ledger`."""
+    """Where the durable quarantine is read from: :class:`tasks.store.ledger.Ledger`."""
 
     def quarantined(self) -> list[dict[str, Any]]: ...
 

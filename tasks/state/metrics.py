@@ -21,10 +21,9 @@ from prometheus_client import Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tasks.admission import Admission
-from tasks.autoscale import model_report
 from tasks.config import Settings
-from tasks.fleet import Fleet
+from tasks.state.admission import Admission, model_report
+from tasks.state.fleet import Fleet
 
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)
 RUN_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -77,7 +76,7 @@ class SystemCollector(Collector):
             in_flight, oldest, counters, quarantined, sizes, runs = pipe.execute()
             workers = self.fleet.all()
             live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
-            models = model_report(s, self.admission, live, now)
+            models = model_report(self.admission, live, now, s.scale_headroom)
         except redis.RedisError:
             yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=0)
             return
@@ -114,7 +113,7 @@ class SystemCollector(Collector):
 
 
 def _per_model(rows: list[dict[str, Any]]) -> Iterator[Metric]:
-    """The autoscaling signal per model (see tasks.autoscale)."""
+    """The autoscaling signal per model (see tasks.policy.capacity)."""
     oldest = GaugeMetricFamily("llmb_oldest_queued_seconds", "Age of the model's oldest admitted, unanswered "
                                "request: scale out when it grows past a few batch times.", labels=["model"])
     rate = GaugeMetricFamily("llmb_arrival_rate", "Items per second arriving for the model (last 10 s).",

@@ -23,13 +23,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from tasks.flush import FlushPolicy
+from tasks.policy.flush import FlushPolicy
+from tasks.schema import Priority
 
 T = TypeVar("T")
 
-INTERACTIVE = "interactive"
-OFFLINE = "offline"
-PRIORITIES = (INTERACTIVE, OFFLINE)
 
 
 @dataclass(frozen=True)
@@ -40,7 +38,7 @@ class Waiting(Generic[T]):
     arrived: float
     deadline: float
     tenant: str = "default"
-    priority: str = INTERACTIVE
+    priority: Priority = Priority.INTERACTIVE
 
 
 @dataclass
@@ -148,7 +146,7 @@ class FairBuffer(Generic[T]):
         self.offline_wait_s = offline_wait_s
         self.size_of = size_of  # an item's size in a batch message, bytes (for policy.max_batch_bytes)
         self.bytes = 0
-        self.classes: dict[str, DeficitRoundRobin[T]] = {p: DeficitRoundRobin(quantum) for p in PRIORITIES}
+        self.classes: dict[Priority, DeficitRoundRobin[T]] = {p: DeficitRoundRobin(quantum) for p in Priority}
         self._min_deadline = float("inf")  # a lower bound: makes drop_expired O(1) when nothing expired
 
     def __len__(self) -> int:
@@ -159,8 +157,8 @@ class FairBuffer(Generic[T]):
             yield from c
 
     def add(self, item: T, *, now: float, deadline: float, tenant: str = "default", weight: float = 1.0,
-            priority: str = INTERACTIVE) -> None:
-        cls = priority if priority in self.classes else INTERACTIVE
+            priority: Priority = Priority.INTERACTIVE) -> None:
+        cls = priority if priority in self.classes else Priority.INTERACTIVE
         self.classes[cls].add(Waiting(item, now, deadline, tenant, cls), weight)
         self._min_deadline = min(self._min_deadline, deadline)
         self.bytes += self.size_of(item)
@@ -182,9 +180,9 @@ class FairBuffer(Generic[T]):
             return float("-inf")
         wait = self.policy.max_wait_s if wait_s is None else wait_s
         times = []
-        if (a := self.classes[INTERACTIVE].oldest_arrival()) is not None:
+        if (a := self.classes[Priority.INTERACTIVE].oldest_arrival()) is not None:
             times.append(a + wait)
-        if (a := self.classes[OFFLINE].oldest_arrival()) is not None:
+        if (a := self.classes[Priority.OFFLINE].oldest_arrival()) is not None:
             times.append(a + self.offline_wait_s)
         return min(times, default=None)
 
@@ -210,24 +208,24 @@ class FairBuffer(Generic[T]):
             used += size
             return True
 
-        out = self.classes[INTERACTIVE].take(n, room)
+        out = self.classes[Priority.INTERACTIVE].take(n, room)
         if len(out) < n and (not limit or used < limit):
-            out += self.classes[OFFLINE].take(n - len(out), room)
+            out += self.classes[Priority.OFFLINE].take(n - len(out), room)
         self.bytes -= used
         return out
 
     def put_back(self, taken: list[Waiting[T]]) -> None:
-        for p in PRIORITIES:
+        for p in Priority:
             self.classes[p].put_back([w for w in taken if w.priority == p])
         self._min_deadline = min([self._min_deadline, *(w.deadline for w in taken)])
         self.bytes += sum(self.size_of(w.item) for w in taken)
 
     def oldest_interactive(self) -> float | None:
-        return self.classes[INTERACTIVE].oldest_arrival()
+        return self.classes[Priority.INTERACTIVE].oldest_arrival()
 
     def clear(self) -> list[T]:
         items = [w.item for w in self]
-        for p in PRIORITIES:
+        for p in Priority:
             self.classes[p] = DeficitRoundRobin(self.classes[p].quantum)
         self._min_deadline = float("inf")
         self.bytes = 0

@@ -267,7 +267,7 @@ class Ledger:
             return bool(conn.execute(w.statement, w.rows).rowcount)
 
     def quarantined(self) -> list[dict[str, Any]]:
-        """Every input quarantined and not released, oldest first, as :class:`tasks.quarantine.Quarantine`
+        """Every input quarantined and not released, oldest first, as :class:`tasks.state.quarantine.Quarantine`
         keeps its details (``hash``, ``model``, ``reason``, ``batch_id``, ``request_id``, ``since``)."""
         q = QuarantineRecord
         query = select(q).where(q.released_at.is_(None)).order_by(q.created_at)

@@ -22,18 +22,19 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from tasks.admission import Admission
-from tasks.autoscale import model_report
+from tasks.broker.gateway import Call, Gateway
+from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
 from tasks.errors import BatchingError
-from tasks.fleet import Fleet
-from tasks.gateway import Call, Gateway
-from tasks.ledger import BatchRecord, BatchRequest, Ledger, RequestRecord, make_engine
-from tasks.quarantine import Quarantine
-from tasks.queues import RequestPublisher
-from tasks.tenants import KeyInfo, KeyStore, Priority, TenantPolicy
+from tasks.policy.tenancy import TenantPolicy
+from tasks.schema import Priority
+from tasks.state.admission import Admission, model_report
+from tasks.state.fleet import Fleet
+from tasks.state.quarantine import Quarantine
+from tasks.store.ledger import BatchRecord, BatchRequest, Ledger, RequestRecord, make_engine
+from tasks.store.tenants import KeyInfo, KeyStore
 
-MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+MIGRATIONS = Path(__file__).resolve().parents[2] / "migrations"
 
 
 class Admin:
@@ -133,7 +134,7 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         quarantined = int(admin.redis.scard(s.key("quarantine")))
         live_workers = admin.fleet().live(now)
         live = len(live_workers)
-        models = model_report(s, admission, live_workers, now)
+        models = model_report(admission, live_workers, now, s.scale_headroom)
     except redis.RedisError as exc:
         fail(f"cannot reach Redis at {s.redis_url}: {exc}")
     try:

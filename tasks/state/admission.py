@@ -5,7 +5,8 @@ An item is admitted only if it fits under all of:
 - the global cap of its priority class (``LLMB_ADMISSION_CAP`` for interactive items,
   ``LLMB_OFFLINE_ADMISSION_CAP`` for offline ones, so an offline backlog never closes the door to
   interactive callers);
-- its model's cap: what that model's workers can answer within the caller's deadline (:func:`deadline_cap`),
+- its model's cap: what that model's workers can answer within the caller's deadline
+  (:func:`tasks.policy.capacity.deadline_cap`),
   so overload is refused at once rather than left to time out;
 - its tenant's in-flight cap, so one tenant cannot take the whole system (the others are unaffected).
 
@@ -28,10 +29,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import redis
 
-from tasks.fleet import WorkerInfo
+from tasks.policy.capacity import recommended_workers
+from tasks.schema import Priority, WorkerInfo
 
 RATE_WINDOW_S = 10  # the arrival rate is the mean over this many whole seconds
 SEP = "\t"  # between tenant, model and class in an owner hash's values (none of them can hold a tab)
@@ -155,21 +158,6 @@ return oldest[2]
 """
 
 
-def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int) -> int:
-    """How many items may be in flight for a new request to still be answered within ``timeout_s``.
-
-    The fleet's throughput (batch size over measured batch time, summed over live workers) times the time
-    the caller is willing to wait; never less than one full batch per worker, never more than the
-    configured cap. A request beyond it would only wait to time out, so it is refused at once instead.
-    """
-    timed = [w for w in workers if w.batch_ms_estimate > 0]
-    if not timed:
-        return configured
-    throughput = sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in timed)
-    floor = sum(w.max_batch for w in workers)
-    return min(configured, max(floor, int(throughput * timeout_s)))
-
-
 class Verdict(StrEnum):
     OK = "ok"
     FULL = "full"
@@ -183,7 +171,7 @@ class Ticket:
 
     tenant: str
     model: str
-    priority: str = "interactive"
+    priority: Priority = Priority.INTERACTIVE
 
 
 class Admission:
@@ -218,7 +206,7 @@ class Admission:
         """The six sets an admitted item may be in (removing it from one it is not in is a no-op that keeps the
         scripts' key count fixed)."""
         model = self.model_key(ticket.model)
-        offline = ticket.priority == "offline"
+        offline = ticket.priority == Priority.OFFLINE
         deadline_set = model + ":offline" if offline else model
         return [self.key, self.arrivals_key, self.offline_key, self.tenant_key(ticket.tenant), deadline_set,
                 model + ":arrivals"]
@@ -289,3 +277,23 @@ class Admission:
 class ModelLoad:
     oldest_age_s: float
     rate_per_s: float
+
+
+def model_report(admission: Admission, workers: Sequence[WorkerInfo], now: float, headroom: float
+                 ) -> list[dict[str, Any]]:
+    """One row per model served by a live worker (reads Redis: one script call and one MGET per model)."""
+    models = sorted({w.model for w in workers})
+    load = admission.model_load(models, now)
+    rows = []
+    for model in models:
+        mine = [w for w in workers if w.model == model]
+        timed = [w.batch_ms_estimate for w in mine if w.batch_ms_estimate > 0]
+        rows.append({
+            "model": model,
+            "workers": len(mine),
+            "oldest_queued_s": round(load[model].oldest_age_s, 3),
+            "arrival_rate_per_s": round(load[model].rate_per_s, 2),
+            "batch_ms": round(sum(timed) / len(timed), 1) if timed else None,
+            "recommended_workers": recommended_workers(load[model].rate_per_s, mine, headroom),
+        })
+    return rows

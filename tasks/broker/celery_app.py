@@ -1,7 +1,7 @@
 """The Celery app shared by the batcher and the GPU workers.
 
 Batches are Celery tasks (``RUN_BATCH``), so Flower shows every GPU worker and every batch. Requests are
-*not* tasks: the batcher consumes them with its own bootstep (:mod:`tasks.consumer`).
+*not* tasks: the batcher consumes them with its own bootstep (:mod:`tasks.broker.consumer`).
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def make_celery(settings: Settings) -> Celery:
         worker_hijack_root_logger=False,
         worker_redirect_stdouts=False,
         # On a lost broker connection keep running the batch (a thread cannot be cancelled anyway): its message
-        # comes back, and the claim tells this run the redelivery is its own (tasks.claims "mine").
+        # comes back, and the claim tells this run the redelivery is its own (tasks.state.claims "mine").
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
     return app
@@ -58,9 +58,9 @@ def batch_of_task(body: bytes | str) -> Batch | None:
 def settings_of(app: Celery) -> Settings:
     settings = app.conf.get("llmb_settings")
     if not isinstance(settings, Settings):
-        raise RuntimeError("this Celery app was not built by tasks.celery_app.make_celery")
+        raise RuntimeError("this Celery app was not built by tasks.broker.celery_app.make_celery")
     return settings
 
 
-# For Celery's own tools: `celery -A tasks.celery_app flower`, `celery -A tasks.celery_app inspect active`.
+# For Celery's own tools: `celery -A tasks.broker.celery_app flower` (or `... inspect active`).
 app = make_celery(Settings.from_env())

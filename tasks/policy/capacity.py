@@ -1,0 +1,50 @@
+"""How much work the fleet can take: the arithmetic behind admission and autoscaling (pure).
+
+Both come from the live workers' own measurements (batch size over the moving average of batch time):
+
+- :func:`deadline_cap` is how many items may be in flight for a new request still to be answered in time,
+  so overload is refused at once rather than left to time out;
+- :func:`recommended_workers` is the steady-state worker count for a model's arrival rate, the autoscaling
+  signal beside the age of the oldest waiting request (``llmb_recommended_workers`` on /metrics).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from tasks.schema import WorkerInfo
+
+
+def throughput(workers: Sequence[WorkerInfo]) -> float:
+    """Items per second the workers run, from their measured batch times (0 for workers not yet measured)."""
+    return sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in workers if w.batch_ms_estimate > 0)
+
+
+def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int) -> int:
+    """How many items may be in flight for a new request to still be answered within ``timeout_s``.
+
+    The fleet's throughput (batch size over measured batch time, summed over live workers) times the time
+    the caller is willing to wait; never less than one full batch per worker, never more than the
+    configured cap. A request beyond it would only wait to time out, so it is refused at once instead.
+    """
+    rate = throughput(workers)
+    if rate <= 0:
+        return configured
+    floor = sum(w.max_batch for w in workers)
+    return min(configured, max(floor, int(rate * timeout_s)))
+
+
+def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headroom: float) -> int | None:
+    """Workers a model needs for its arrival rate: rate x batch time / batch size x headroom, rounded up.
+
+    Batch time and size are the live workers' own (measured EMA and advertised maximum); None when no worker
+    has measured a batch yet. At least one while requests arrive; zero when none do (scale to zero is the
+    operator's choice: KEDA's ``minReplicaCount``).
+    """
+    timed = [w for w in workers if w.batch_ms_estimate > 0]
+    if not timed:
+        return None
+    if rate_per_s <= 0:
+        return 0
+    per_worker = throughput(timed) / len(timed)  # items/s
+    return max(1, math.ceil(rate_per_s / per_worker * headroom))
