@@ -2,10 +2,12 @@
 
     python bench/reference.py --port 8100 --devices 2 --batch-ms 500
 
-Same flush policy object as the real batcher (:mod:`tasks.policy.flush`), same simulated device (a fixed time per
-batch of up to 100), same request and answer shape, but no broker, no Redis, no separate processes: one
-gevent process where a request waits on an in-memory event. The benchmark runs the same load against it, so
-the report shows what the distributed system costs over this floor.
+The same buffer and flush rule as the real batcher (:class:`tasks.policy.fairness.FairBuffer` over
+:class:`tasks.policy.flush.FlushPolicy`, with the fixed wait ``--max-wait-ms`` rather than the adaptive one),
+the same simulated device (a fixed time per batch of up to 100), the same request and answer shape, but no
+broker, no Redis, no separate processes: one gevent process where a request waits on an in-memory event.
+The benchmark runs the same load against it, so the report shows what the distributed system costs over
+this floor.
 """
 from __future__ import annotations
 
@@ -27,14 +29,15 @@ from gevent.pywsgi import WSGIServer  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from gpu_worker.backends.sim import sim_output  # noqa: E402
-from tasks.policy.flush import BatchBuffer, FlushPolicy  # noqa: E402
+from tasks.policy.fairness import FairBuffer  # noqa: E402
+from tasks.policy.flush import FlushPolicy  # noqa: E402
 
 Item = tuple[str, AsyncResult]
 
 
 class ReferenceBatcher:
     def __init__(self, policy: FlushPolicy, devices: int, batch_s: float) -> None:
-        self.buffer: BatchBuffer[Item] = BatchBuffer(policy)
+        self.buffer: FairBuffer[Item] = FairBuffer(policy)
         self.batch_s = batch_s
         self.arrived = Event()
         for _ in range(devices):

@@ -52,15 +52,15 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
-    from tasks.broker.celery_app import RUN_BATCH, make_celery
+    from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.config import Settings
     from tasks.logs import setup_logging
-    from tasks.schema import Batch
     from tasks.state.claims import Claims
     from tasks.state.fleet import Fleet
-    from tasks.state.metrics import observe_batch
+    from tasks.state.keys import Keys
+    from tasks.state.metrics import Stats
     from tasks.state.results import ResultWriter
-    from tasks.store.ledger import Ledger, LedgerWriter, make_engine
+    from tasks.store.ledger import LedgerWriter
 
     settings = Settings.from_env()
     setup_logging(settings)
@@ -75,22 +75,20 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
     app = make_celery(settings)
     state = WorkerState()
-    ledger = LedgerWriter(Ledger(make_engine(settings.database_url), settings.store_inputs),
-                          max_buffer=settings.ledger_buffer,
-                          on_drop=lambda n: client.incrby(settings.key("stats", "ledger_dropped"), n))
+    stats = Stats.from_settings(settings, client)
+    ledger = LedgerWriter.from_settings(settings, on_drop=lambda n: stats.add("ledger_dropped", n))
     runner = BatchRunner(
         model_backend,
-        ResultWriter(client, lambda item_id: settings.key("result", item_id), settings.result_ttl_s,
-                     settings.key("stats", "items_done"), settings.key("stats", "batches_done")),
+        ResultWriter.from_settings(settings, client, count=True),
         worker_id, state,
         announce=Announcer(settings.broker_url, settings.namespace),
-        claims=Claims(client, settings.key("claim")),
+        claims=Claims.from_settings(settings, client),
         give_back=GiveBack(app, settings.recovery_queue, worker_id),
         record=ledger.record,
-        observe=lambda pipe, size, run_s, tokens: observe_batch(pipe, settings, size, run_s, tokens),
-        cancelled=Cancellations(client, settings.key("cancel")),
+        observe=stats.observe_batch,
+        cancelled=Cancellations(client, Keys.from_settings(settings).cancel),
     )
-    fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
+    fleet = Fleet.from_settings(settings, client)
     runtime = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch, fleet, state, settings,
                             model_backend.kind, model_backend.max_context, model_backend.slots,
                             getattr(model_backend, "kv_tokens", 0))
@@ -113,9 +111,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
             click.echo(f"gpu-worker: could not empty {queue} ({exc}); the batchers will take it back", err=True)
         runtime.leave()
 
-    @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)
-    def run_batch(batch: dict) -> dict:  # type: ignore[type-arg]
-        return runner.run(Batch.from_dict(batch))
+    register_run_batch(app, runner.run)
 
     # One pool thread: one batch at a time, while the event loop stays free to ack at once and to take
     # the next batch as soon as it is due. (The solo pool runs the batch inside the loop; kombu then leaves

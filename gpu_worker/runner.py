@@ -23,7 +23,7 @@ from celery.exceptions import Reject
 
 from gpu_worker.backends import Backend, Hooks, ItemError
 from tasks.schema import Batch, BatchEvent, BatchItem, Failure, ItemResult
-from tasks.state.claims import DIED, MINE, SKIP, Claims
+from tasks.state.claims import Claims, Verdict
 from tasks.state.results import ResultWriter, publish_deltas
 from tasks.store.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
 
@@ -137,11 +137,11 @@ class BatchRunner:
         claim = self._until_settled(batch, lambda: self.claims.for_run(batch.id, self.run_id))
         if claim is None:
             return {**summary, "dropped_expired": len(batch.items)}
-        if claim.verdict == SKIP or (claim.verdict == MINE and batch.id in self._running):
+        if claim.verdict is Verdict.SKIP or (claim.verdict is Verdict.MINE and batch.id in self._running):
             log.info("batch %s was reassigned, is running here or is done; skipping it", batch.id,
                      extra={"batch_id": batch.id})
             return {**summary, "skipped": True}
-        if claim.verdict == DIED:
+        if claim.verdict is Verdict.DIED:
             log.warning("batch %s: its previous worker (%s) died running it; handing it back for isolation",
                         batch.id, claim.owner, extra={"batch_id": batch.id})
             self._hand_back(batch, Failure.DIED, f"the worker running this batch ({claim.worker}) died",

@@ -4,12 +4,11 @@ from __future__ import annotations
 from alembic import context
 
 from tasks.config import Settings
+from tasks.store.models import Base, make_engine
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
 
-import tasks.store.tenants  # noqa: E402,F401  (its tables are on the same metadata)
-from tasks.store.ledger import Base, make_engine  # noqa: E402
 
 target_metadata = Base.metadata
 

@@ -104,7 +104,7 @@ class Settings:
         values.update(overrides or {})
         return cls(**values)  # type: ignore[arg-type]
 
-    # Names derived from the namespace, so every component agrees on them.
+    # Broker names derived from the namespace, so every component agrees on them (Redis keys: tasks.state.keys).
     @property
     def request_queue(self) -> str:
         return f"{self.namespace}.requests"
@@ -125,9 +125,6 @@ class Settings:
 
     def gpu_queue(self, host: str, device: int | str) -> str:
         return f"{self.namespace}.gpu.{host}.{device}"
-
-    def key(self, *parts: str) -> str:
-        return ":".join((self.namespace, *parts))
 
 
 def documented_settings() -> list[tuple[str, object, str]]:

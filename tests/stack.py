@@ -148,34 +148,75 @@ class Stack:
 
     def wait_batch_start(self, device: int, within_s: float, timeout_s: float = 15,
                          batch_s: float | None = None) -> None:
-        """Return while ``gpu<device>`` runs a batch that started less than ``within_s`` ago, from its
-        heartbeats: the moment to signal a worker early in a batch. Heartbeats much slower than a batch may
-        keep a fixed phase to back-to-back batches and never show a young one; given ``batch_s``, a busy beat
-        then predicts the next batch's start and this returns just after it."""
-        seen: set[float] = set()
-        predicted: list[float] = []
+        """Return just after ``gpu<device>`` starts a batch: the moment to signal a worker early in a batch.
 
-        def early() -> bool:
-            beat = self.fleet().get(f"gpu{device}@test", {})
-            started = beat.get("batch_started_at")
-            if beat.get("state") != "busy" or not started or float(started) in seen:  # type: ignore[arg-type]
+        It waits for the worker's own "started" announcement on the fleet exchange (the batchers' signal, sent
+        as the batch starts to run), so it returns within the broker's delivery time of the start, well inside
+        ``within_s`` of it, whatever the heartbeats' phase. ``batch_s`` is accepted for older callers and not
+        needed: nothing is predicted."""
+        from kombu import Queue
+
+        from tasks.broker.queues import fleet_exchange
+
+        worker, started = f"gpu{device}@test", []
+        deadline = time.monotonic() + timeout_s
+        with Connection(self.broker_url, connect_timeout=5) as conn:
+            events = Queue(f"{self.namespace}.fleet.test-{uuid.uuid4().hex}", exchange=fleet_exchange(self.namespace),
+                           exclusive=True, auto_delete=True, durable=False)
+
+            def on_event(message: object) -> None:
+                event = json.loads(message.body)  # type: ignore[attr-defined]
+                if event.get("worker") == worker and event.get("event") == "started":
+                    started.append(event.get("batch_id"))
+
+            def a_batch_starts() -> bool:
+                # block on the broker (not in wait_for's polling sleep) so the event is taken as it arrives
+                while not started and time.monotonic() < deadline:
+                    try:
+                        conn.drain_events(timeout=max(0.01, deadline - time.monotonic()))
+                    except socket.timeout:
+                        break
+                return bool(started)
+
+            with conn.Consumer(events, on_message=on_event, no_ack=True, accept=["json"]):
+                wait_for(a_batch_starts, timeout_s, f"{worker} to start a batch (within {within_s:g} s of it)")
+
+    def wait_idle(self, since: float, workers: int = 2, timeout_s: float = 30) -> None:
+        """Wait until every batch dispatched before ``since`` (a ``time.time()``) has run to its end: the queue of
+        each of gpu0..gpu<workers-1> has been seen empty and, in a heartbeat taken after that (and after
+        ``since``), each reports itself idle with nothing received and unfinished."""
+        names = [f"gpu{n}@test" for n in range(workers)]
+        emptied: list[float] = []  # when every worker queue was first seen empty (reset when one was not)
+
+        def idle() -> bool:
+            beats = self.fleet()
+            if any(name not in beats for name in names):
                 return False
-            seen.add(float(started))  # type: ignore[arg-type]
-            age = time.time() - float(started)  # type: ignore[arg-type]
-            if age < within_s:
-                return True
-            if batch_s and age < 2 * batch_s:
-                predicted.append(float(started) + batch_s * (1 + int(age // batch_s)) + min(0.05, within_s / 2))
-                return True
-            return False
+            if any(self.queue_depth(str(beats[name]["queue"])) for name in names):
+                emptied.clear()
+                return False
+            if not emptied:
+                emptied.append(time.time())
+                return False
+            after = max(since, emptied[0])
+            return all(float(beats[name]["heartbeat_at"]) > after and beats[name]["state"] == "idle"  # type: ignore[arg-type]
+                       and not int(beats[name].get("outstanding") or 0) for name in names)  # type: ignore[call-overload]
 
-        wait_for(early, timeout_s, f"gpu{device} early in a batch")
-        if predicted:
-            time.sleep(max(0.0, predicted[0] - time.time()))
+        wait_for(idle, timeout_s, f"{workers} worker(s) idle, with empty queues, in heartbeats since {since:.3f}")
 
     def inflight(self) -> int:
         """Items admitted and not yet answered, across every API process (the admission set)."""
         return int(self.redis.zcard(f"{self.namespace}:inflight"))
+
+    def tenant_inflight(self, tenant: str) -> int:
+        """Items of ``tenant`` admitted and not yet answered (its admission set): its backlog in the system."""
+        return int(self.redis.zcard(f"{self.namespace}:inflight:t:{tenant}"))
+
+    def arrivals(self, model: str) -> int:
+        """Items that arrived for ``model`` in the last minute, admitted or not (the admission script's
+        per-second counters, which the arrival rate on /metrics is the mean of)."""
+        keys = list(self.redis.scan_iter(f"{self.namespace}:inflight:m:{model}:rate:*", count=1000))
+        return sum(int(v or 0) for v in self.redis.mget(keys)) if keys else 0
 
     # -- whole again after a fault ---------------------------------------------------------------------
     @property
@@ -235,6 +276,12 @@ class Stack:
     def request_queue_depth(self) -> int:
         with Connection(self.broker_url) as conn:
             _, count, _ = conn.default_channel.queue_declare(f"{self.namespace}.requests", passive=True)
+            return int(count)
+
+    def queue_depth(self, queue: str) -> int:
+        """Messages ready (not yet delivered) in a RabbitMQ queue of this stack."""
+        with Connection(self.broker_url) as conn:
+            _, count, _ = conn.default_channel.queue_declare(queue, passive=True)
             return int(count)
 
     def request_queue_consumers(self) -> int:
@@ -331,6 +378,8 @@ def _get(url: str) -> int:
 
 
 def wait_for(predicate: object, timeout_s: float, what: str) -> None:
+    """Poll ``predicate`` until it is true; TimeoutError naming ``what`` once ``timeout_s`` has passed. The one
+    way tests wait for the system: on the condition itself, never for a fixed time."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
@@ -338,5 +387,5 @@ def wait_for(predicate: object, timeout_s: float, what: str) -> None:
                 return
         except requests.RequestException:
             pass
-        time.sleep(0.1)
+        time.sleep(0.1)  # the polling interval
     raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")

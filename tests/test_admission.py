@@ -11,7 +11,13 @@ import redis
 from tasks.policy.capacity import deadline_cap, recommended_workers
 from tasks.schema import WorkerInfo
 from tasks.state.admission import Admission, Ticket, Verdict
-from tests.stack import REDIS_URL
+from tests.stack import REDIS_URL, wait_for
+
+
+def redis_now(client: redis.Redis) -> float:
+    """Redis's clock, the one the admission scripts go by."""
+    seconds, micros = client.time()
+    return float(seconds) + micros / 1_000_000
 
 
 def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> None:
@@ -79,9 +85,12 @@ def test_admission_caps_against_the_real_redis() -> None:
         assert adm.model_load(["sim"], now)["sim"].oldest_age_s == 0.0
         assert admit(chat, 10)[0] is Verdict.OK
         # an API process that died leaks nothing past its callers' deadlines (Redis's clock decides)
-        assert admit(Ticket("gone", "sim"), 5, model_cap=100, timeout_s=0.2)[0] is Verdict.OK
+        verdict, gone = admit(Ticket("gone", "sim"), 5, model_cap=100, timeout_s=0.2)
+        assert verdict is Verdict.OK
         assert adm.tenant_in_flight("gone", time.time()) == 5
-        time.sleep(0.3)
+        deadline = max(float(client.zscore(adm.tenant_key("gone"), i) or 0) for i in gone)  # Redis's time + 0.2 s
+        assert deadline > 0
+        wait_for(lambda: redis_now(client) > deadline, 10, "Redis's clock to pass their deadline")
         assert admit(Ticket("gone", "sim"), 5, model_cap=100, tenant_cap=5)[0] is Verdict.OK
         # an API host whose clock runs an hour fast purges nobody else's live admissions
         ids = [uuid.uuid4().hex for _ in range(3)]
@@ -128,7 +137,9 @@ def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: 
         assert dead.try_admit(ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
                               model_cap=100)[0] is Verdict.OK
     assert alive.renew() == 0 and dead.in_flight(time.time()) == 10
-    time.sleep(0.3)
+    lease_ends = client.zscore(dead.leases_key, "dead")
+    assert lease_ends is not None
+    wait_for(lambda: redis_now(client) > lease_ends, 10, "Redis's clock to pass the dead process's lease")
     assert alive.renew() == 10
     assert alive.in_flight(time.time()) == 0 and alive.tenant_in_flight("t", time.time()) == 0
     assert not [k for k in client.scan_iter(f"{prefix}:*") if client.type(k) == b"zset" and client.zcard(k)

@@ -1,12 +1,34 @@
-"""The benchmark, in its few-second smoke form, so that it keeps working (speed is not asserted here)."""
+"""The benchmark, in its few-second smoke form, so that it keeps working (speed is not asserted here: its figures
+are checked for being consistent with each other and with a working system, not for being fast)."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 from tests.stack import ROOT
+
+HTTP_ANSWERS = {"200", "429", "503", "504"}  # what a working system answers an open-loop load with
+
+
+def check_load(name: str, s: dict[str, Any], duration_s: float) -> None:
+    """One scenario of bench/load.py: every request accounted for once, the figures consistent with each other."""
+    sent, statuses = s["sent"], s["statuses"]
+    ok = statuses.get("200", 0)
+    assert sent > 0 and sum(statuses.values()) == sent, (name, s)  # one record per request sent
+    assert set(statuses) <= HTTP_ANSWERS, (name, statuses)  # every request got an HTTP answer
+    assert ok > 0 and s["ok_fraction"] == round(ok / sent, 4), (name, s)
+    # goodput: 200s per second of the run, which lasts at least the arrivals' duration
+    assert 0 < s["goodput_rps"] <= round(ok / duration_s, 1), (name, s)
+    lat = s["latency_ms"]
+    assert 0 < lat["p50"] <= lat["p90"] <= lat["p99"], (name, lat)
+    assert 1 <= s["mean_batch_size_seen"], (name, s)
+    # CPU of the processes measured, over the scenario: none negative, never more than every core for its wall time
+    cpu_s = s["cpu_ms_per_request"] * sent / 1000
+    assert 0 <= cpu_s <= s["wall_s"] * (os.cpu_count() or 1), (name, s["cpu_ms_per_request"], s["wall_s"])
 
 
 def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> None:
@@ -14,13 +36,34 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> 
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
+    config = report["config"]
     assert report["capacity_rps"] == 200
+    assert report["capacity_rps"] == config["workers"] * config["max_batch"] / (config["batch_ms"] / 1000)
+    scenarios = report["scenarios"]
     for name in ("reference-10%", "system-10%", "system-90%"):
-        scenario = report["scenarios"][name]
-        assert scenario["sent"] > 0 and scenario["statuses"].get("200", 0) > 0
-        assert scenario["cpu_ms_per_request"] >= 0, name  # a 2-second run may fall within one clock tick
-    assert report["scenarios"]["system-90%"]["cpu_ms_per_request"] > 0
-    assert report["scenarios"]["system-90%"]["batches"] > 0
-    assert {t["target"] for t in report["targets"]} >= {"90% load: answered 200",
-                                                          "callers answered > 100 ms after their deadline"}
+        scenario = scenarios[name]
+        check_load(name, scenario, config["duration"])
+        assert scenario["mean_batch_size_seen"] <= config["max_batch"], (name, scenario)
+    for name in ("reference-10%", "system-10%"):  # a tenth of capacity: every caller is answered with its output
+        assert scenarios[name]["statuses"] == {"200": scenarios[name]["sent"]}, (name, scenarios[name])
+    for name in ("system-10%", "system-90%"):  # the system's processes did work; its workers' figures add up
+        scenario = scenarios[name]
+        assert scenario["cpu_ms_per_request"] > 0, name
+        batches, fill = scenario["batches"], scenario["batch_fill"]
+        assert 0 < batches <= scenario["sent"], (name, scenario)
+        assert batches == sum(scenario["batch_size_buckets"].values()), (name, scenario)
+        items = fill * batches * config["max_batch"]  # items run; batch_fill is rounded to 3 decimals
+        slack = 0.0005 * batches * config["max_batch"] + 1e-6
+        assert scenario["statuses"].get("200", 0) - slack <= items <= scenario["sent"] + slack, (name, scenario)
+        assert 0 <= scenario["device_idle_fraction"] < 1, (name, scenario)
+    for name in ("reference-lone", "system-lone"):  # one request at a time: each waits at least one batch
+        lone = scenarios[name]
+        assert lone["requests"] == config["lone_requests"], (name, lone)
+        assert lone["p50_ms"] >= config["batch_ms"], (name, lone)
+        assert abs(lone["overhead_ms"] - (lone["p50_ms"] - config["batch_ms"] - config["max_wait_ms"])) < 0.02, lone
+    targets = {t["target"]: t for t in report["targets"]}
+    assert set(targets) >= {"90% load: answered 200", "callers answered > 100 ms after their deadline"}
+    assert all(t["met"] in (True, False, None) and t["measured"] for t in targets.values()), targets
+    late = sum(s.get("late_over_100ms", 0) for k, s in scenarios.items() if k.startswith(("system", "poison", "fault")))
+    assert targets["callers answered > 100 ms after their deadline"]["measured"] == str(late)
     assert "| target | limit | measured | met |" in (tmp_path / "summary.md").read_text()

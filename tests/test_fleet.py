@@ -19,7 +19,7 @@ import requests
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from tasks.store.ledger import BatchRecord, QuarantineRecord, RequestRecord, make_engine
+from tasks.store.models import BatchRecord, QuarantineRecord, RequestRecord, make_engine
 from tests.helpers import assert_json_error, expected, post
 from tests.stack import Stack, wait_for
 

@@ -1,13 +1,14 @@
-"""The flush policy, driven by a fake clock: no sleeping, no broker."""
+"""The flush policy, as the batcher's buffer applies it, driven by a fake clock: no sleeping, no broker."""
 from __future__ import annotations
 
 import pytest
 
-from tasks.policy.flush import BatchBuffer, FlushPolicy
+from tasks.policy.fairness import FairBuffer
+from tasks.policy.flush import FlushPolicy
 
 
-def buffer(size: int = 3, wait_s: float = 0.020) -> BatchBuffer[str]:
-    return BatchBuffer(FlushPolicy(max_batch_size=size, max_wait_s=wait_s))
+def buffer(size: int = 3, wait_s: float = 0.020) -> FairBuffer[str]:
+    return FairBuffer(FlushPolicy(max_batch_size=size, max_wait_s=wait_s))
 
 
 def test_empty_buffer_is_never_ready_and_sets_no_timer() -> None:
@@ -31,7 +32,7 @@ def test_size_trigger_fires_at_max_batch_size_without_waiting() -> None:
 
 
 def test_take_never_returns_more_than_max_batch_size() -> None:
-    b = buffer(size=100)
+    b: FairBuffer[int] = FairBuffer(FlushPolicy(max_batch_size=100))
     for i in range(150):
         b.add(i, now=0.0, deadline=99.0)
     assert len(b.take()) == 100
@@ -73,7 +74,7 @@ def test_put_back_restores_order_and_arrival() -> None:
     taken = b.take()
     b.put_back(taken)
     assert [p.item for p in b] == ["a", "b", "c"]
-    assert b.oldest_arrival() == 0.0
+    assert b.oldest_interactive() == 0.0
 
 
 def test_policy_rejects_nonsense() -> None:

@@ -27,12 +27,13 @@ from flask.testing import FlaskClient
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput
-from tasks.store.ledger import Base, make_engine
-from tasks.store.tenants import ApiKeyRecord, KeyStore, TenantRecord
+from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
+from tasks.store.tenants import KeyStore
 from tests.helpers import assert_json_error, expected, post
 from tests.stack import ROOT, Stack, wait_for
 from webapp import create_app
 from webapp.body import parse_json
+from webapp.services import services
 
 DEEP_OBJECT = b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
 HOSTILE: dict[str, bytes] = {
@@ -104,7 +105,7 @@ def client(app: Flask) -> FlaskClient:
 
 
 def _admin_headers(app: Flask) -> dict[str, str]:
-    store: KeyStore = app.extensions["llmb_keys"]
+    store: KeyStore = services(app).keys
     return {"Authorization": f"Bearer {store.create_key('ops', admin=True)[1]}"}
 
 
@@ -181,7 +182,7 @@ def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: 
     threads = [threading.Thread(target=send, args=(s, p)) for s, p in zip(held, ("/v1/infer", "/v1/completions"))]
     for t in threads:
         t.start()
-    door = app.extensions["llmb_door"]
+    door = services(app).door
     wait_for(lambda: door.held == 2 and all(s.reads for s in held), 10, "two requests held")
     for path, openai in (("/v1/infer", False), ("/v1/embeddings", True)):
         third = SlowStream(body)

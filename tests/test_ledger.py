@@ -12,18 +12,20 @@ from sqlalchemy.orm import Session
 from tasks.schema import Batch, BatchItem
 from tasks.store.ledger import (
     BatchOutcome,
-    BatchRecord,
-    BatchRequest,
     ItemsOutcome,
     Ledger,
     LedgerWriter,
     Quarantined,
-    QuarantineRecord,
     Released,
+    refused_by_database,
+)
+from tasks.store.models import (
+    BatchRecord,
+    BatchRequest,
+    QuarantineRecord,
     RequestRecord,
     StorableString,
     make_engine,
-    refused_by_database,
     storable,
 )
 from tests.stack import BIN, ROOT
@@ -107,7 +109,7 @@ def stored(url: str) -> dict[str, RequestRecord]:
 
 
 def test_every_text_column_of_the_ledger_is_made_storable() -> None:
-    from tasks.store.ledger import Base
+    from tasks.store.models import Base
 
     for table in ("requests", "batches", "batch_requests", "quarantined_inputs"):
         for column in Base.metadata.tables[table].columns:

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +18,7 @@ else:
     pytest.importorskip("transformers", reason="bin/test installs the 'models' extra these tests need")
 
 from tests.models import build_tiny_llama  # noqa: E402
-from tests.stack import Stack  # noqa: E402
+from tests.stack import Stack, wait_for  # noqa: E402
 
 LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 
@@ -101,7 +100,7 @@ def test_errors_come_back_in_openai_shape(client: "openai.OpenAI", models_stack:
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
-    from tasks.store.ledger import RequestRecord, make_engine
+    from tasks.store.models import RequestRecord, make_engine
     from tests.stack import wait_for
 
     with Session(make_engine(models_stack.database_url)) as s:  # the ledger says why it was not answered
@@ -145,17 +144,21 @@ def test_a_client_that_leaves_mid_stream_cancels_its_generation(models_stack: St
         # keep the worker busy, so the streamed request is still waiting when its client leaves
         busy = pool.submit(client.completions.create, model=LM, prompt=[f"busy {i}" for i in range(100)],
                            max_tokens=64, temperature=0)
-        time.sleep(0.3)
+        wait_for(lambda: models_stack.inflight() >= 100, 30, "the 100 busy prompts to be admitted")
         with requests.post(models_stack.url + "/v1/completions", stream=True, timeout=30, json={
                 "model": LM, "prompt": "the cat", "max_tokens": 64, "temperature": 0, "stream": True}) as r:
             assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/event-stream")
         busy.result()
-    deadline, cancelled = time.monotonic() + 10, None
-    while time.monotonic() < deadline and cancelled is None:
+    cancelled: list[bytes] = []
+
+    def published() -> bool:
         message = pubsub.get_message(timeout=0.5)
         if message and message["type"] == "message":
-            cancelled = message["data"]
-    assert cancelled, "leaving a stream publishes its item id on the cancel channel"
+            cancelled.append(message["data"])
+        return bool(cancelled)
+
+    wait_for(published, 10, "a message on the cancel channel")
+    assert cancelled[0], "leaving a stream publishes its item id on the cancel channel"
 
 
 def test_a_cancelled_row_stops_while_the_rest_of_its_batch_goes_on(tmp_path: Path) -> None:
@@ -173,16 +176,19 @@ def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stac
     import threading
 
     stop = threading.Event()
+    answered: list[int] = []
 
-    def traffic() -> None:
+    def traffic() -> None:  # closed-loop load: the next call as soon as one is answered
         while not stop.is_set():
             client.completions.create(model=LM, prompt=[f"load {i}" for i in range(20)], max_tokens=16,
                                       temperature=0)
+            answered.append(1)
 
     worker = threading.Thread(target=traffic)
     worker.start()
     try:
-        time.sleep(0.5)
+        wait_for(lambda: answered or not worker.is_alive(), 60, "the traffic's first answer")
+        assert answered, "the traffic failed before its first answer"
         stats = json_.loads(models_stack.admin("stats", "--interval", "4", "--json").stdout)
     finally:
         stop.set()

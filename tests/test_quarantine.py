@@ -18,7 +18,8 @@ from tasks.cli import cli
 from tasks.schema import BatchItem, input_hash
 from tasks.state.admission import Admission, Ticket, Verdict
 from tasks.state.quarantine import Quarantine, QuarantineSync
-from tasks.store.ledger import Ledger, Quarantined, make_engine
+from tasks.store.ledger import Ledger, Quarantined
+from tasks.store.models import make_engine
 from tests.stack import REDIS_URL
 
 

@@ -66,9 +66,11 @@ def wait_status(url: str, status: int, timeout_s: float, what: str, timeout_ms: 
     return time.monotonic(), f"{seen[-1][1]} in {seen[-1][2] * 1000:.0f} ms after {len(seen)} probe(s)"
 
 
-def hold(until: float) -> None:
-    """Let the load run until a monotonic time (polled, so no long fixed sleep)."""
-    wait_for(lambda: time.monotonic() >= until, max(until - time.monotonic(), 0) + 5, "the hold to pass")
+def hold(load: SteadyLoad, mark: int, seconds: float) -> None:
+    """Keep the load (and whatever fault is on) going until ``seconds`` of its arrivals have been sent after its
+    ``mark``-th request: a count of requests sent, not a sleep (as carry_on in tests/test_faults.py)."""
+    want = mark + int(seconds * load.rate)
+    wait_for(lambda: load.sent >= want, seconds + 30, f"{want} requests sent ({seconds:g} s of arrivals)")
 
 
 def sent_between(report: LoadReport, start: float, end: float) -> list[Outcome]:
@@ -116,14 +118,14 @@ def test_redis_sigkilled_mid_load_gives_fast_503s_then_resumes(redis_stack: Stac
     load = SteadyLoad(stack.url, 30, timeout_ms=8000, prefix="redis").start()
     try:
         wait_for(lambda: load.answered() >= 30, 15, "the load to flow")
-        killed = time.monotonic()
+        killed, sent_at_kill = time.monotonic(), load.sent
         private_redis.kill()
         _, during = wait_status(stack.url, 503, 5, "a 503 while Redis is away")
-        hold(killed + 3)
+        hold(load, sent_at_kill, 3)  # an outage of 3 s of arrivals
         restarted = time.monotonic()
         private_redis.start()
         resumed, _ = wait_status(stack.url, 200, 30, "a 200 after Redis is back")
-        hold(resumed + 4)
+        hold(load, load.sent, 4)
     finally:
         report = load.stop()
     in_flight = [o for o in report.outcomes if o.sent_at < killed < o.sent_at + o.latency_ms / 1000]
@@ -161,12 +163,12 @@ def test_broker_connections_closed_twice_mid_load_loses_nobody(vhost_stack: Stac
     try:
         wait_for(lambda: load.answered() >= 30, 15, "the load to flow")
         for n in range(2):
-            started = time.monotonic()
+            started, sent_at_cut = time.monotonic(), load.sent
             closed = own_vhost.close_connections(f"fault test: cut {n + 1}")
             cuts.append((started, closed, time.monotonic() - started))
-            hold(started + 4)
+            hold(load, sent_at_cut, 4)
         resumed, _ = wait_status(stack.url, 200, 30, "a 200 after the second cut", timeout_ms=10_000)
-        hold(resumed + 4)
+        hold(load, load.sent, 4)
     finally:
         report = load.stop()
     alive = processes_alive(stack)
@@ -206,13 +208,14 @@ def test_broker_memory_alarm_gives_503_within_the_publish_timeout_then_resumes(
         wait_for(lambda: load.answered() >= 20, 15, "the load to flow")
         rabbit.raise_memory_alarm()
         wait_for(lambda: rabbit.alarms(), 10, "the memory alarm")
-        alarmed = time.monotonic()
+        alarmed, sent_at_alarm = time.monotonic(), load.sent
         _, during = wait_status(stack.url, 503, 15, "a 503 during the alarm")
-        hold(alarmed + ALARM_TIMEOUT_MS / 1000 + 2)  # longer than a deadline: a hung caller shows up as late
+        # longer than a deadline: a hung caller shows up as late
+        hold(load, sent_at_alarm, ALARM_TIMEOUT_MS / 1000 + 2)
         cleared = time.monotonic()
         rabbit.clear_alarms()
         resumed, _ = wait_status(stack.url, 200, 30, "a 200 after the alarm cleared")
-        hold(resumed + 4)
+        hold(load, load.sent, 4)
     finally:
         report = load.stop()
     print(f"\nbroker alarm: {report.summary()}\n  probe during the alarm: {during}; "
@@ -340,7 +343,7 @@ def test_a_connection_flood_from_one_tenant_leaves_a_steady_tenant_unharmed(burs
             with multiprocessing.get_context("spawn").Pool(1) as pool:
                 flood, cpu = pool.apply(_flood_elsewhere, (stack.url, n, "flood", FLOOD_TIMEOUT_MS))
             flood_s = time.monotonic() - started
-            hold(time.monotonic() + 2)
+            hold(steady, steady.sent, 2)
         finally:
             report = steady.stop()
     finally:

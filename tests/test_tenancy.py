@@ -106,15 +106,19 @@ def test_the_autoscaling_signal_is_on_metrics_and_in_the_cli(keyed: Stack) -> No
     from prometheus_client.parser import text_string_to_metric_families
 
     key = new_key(keyed, "scaler")
+    arrived = keyed.arrivals("sim")
     backlog = load(keyed, key, rate=2 * CAPACITY, duration=6, timeout_ms=60_000, seed=31)
-    time.sleep(5.0)
+    # 5 s of the load's arrivals (2,000 of its ~2,400 requests) have come in, and a backlog of at least 2 s of
+    # device time is waiting
+    wait_for(lambda: keyed.arrivals("sim") - arrived >= 5 * 2 * CAPACITY and keyed.inflight() >= 2 * CAPACITY, 60,
+             "5 s of the load's arrivals and a backlog of 2 s of device time")
     text = requests.get(keyed.url + "/metrics", timeout=10).text
     samples = {(s.name, s.labels.get("model")): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     cli = json.loads(keyed.admin("stats", "--interval", "0.2", "--json").stdout)
     records(keyed, backlog, 31)
     assert samples[("llmb_oldest_queued_seconds", "sim")] > 0.5  # callers are waiting on a backlog
-    assert samples[("llmb_arrival_rate", "sim")] > 100  # mean of the last 10 s, 5 s of which had arrivals
+    assert samples[("llmb_arrival_rate", "sim")] > 100  # mean of the last 10 s, ~4-5 s of which had arrivals
     assert samples[("llmb_recommended_workers", "sim")] >= 1
     assert samples[("llmb_model_workers", "sim")] == 1
     (row,) = cli["models"]
@@ -128,7 +132,9 @@ def test_a_tenant_over_its_cap_gets_429_and_others_are_unaffected(keyed: Stack) 
     small, other = new_key(keyed, "small"), new_key(keyed, "other")
     with ThreadPoolExecutor(max_workers=30) as pool:
         flood = [pool.submit(post, keyed.url, {"input": f"small {i}"}, headers=auth(small)) for i in range(20)]
-        time.sleep(0.05)
+        # the other tenant sends once "small" is at its cap (a flood request refused: 5 others are in flight)
+        wait_for(lambda: any(f.done() and not f.exception() and f.result().status_code == 429 for f in flood)
+                 or all(f.done() for f in flood), 30, "a request of the flood refused")
         calm = [pool.submit(post, keyed.url, {"input": f"other {i}"}, headers=auth(other)) for i in range(10)]
         flood_r = [f.result() for f in flood]
         calm_r = [f.result() for f in calm]
@@ -163,7 +169,8 @@ def test_a_flood_from_one_tenant_does_not_hold_up_another(keyed: Stack) -> None:
     solo_p50 = sorted(float(r["ms"]) for r in solo)[len(solo) // 2]  # type: ignore[arg-type]
 
     flood = load(keyed, a, rate=1.5 * CAPACITY, duration=5000 / (1.5 * CAPACITY), timeout_ms=120_000, seed=11)
-    time.sleep(8.0)  # A's backlog is ~800 items (4 s of device time) and growing: FIFO would make B wait that
+    # A's backlog is 800 items (4 s of device time) and growing: FIFO would make B wait that
+    wait_for(lambda: keyed.tenant_inflight("flood-a") >= 4 * CAPACITY, 60, "A's backlog of 4 s of device time")
     steady = load(keyed, b, rate=8, duration=8, timeout_ms=30_000, seed=12)
     b_records = records(keyed, steady, 12)
     b_done = max(float(r["wall"]) + float(r["ms"]) / 1000 for r in b_records)  # type: ignore[arg-type]
@@ -183,7 +190,8 @@ def test_a_flood_from_one_tenant_does_not_hold_up_another(keyed: Stack) -> None:
 def test_interactive_requests_go_ahead_of_offline_ones(keyed: Stack) -> None:
     key = new_key(keyed, "mixed")
     offline = load(keyed, key, rate=2 * CAPACITY, duration=3, timeout_ms=120_000, seed=21, priority="offline")
-    time.sleep(1.5)  # an offline backlog of a few seconds has built up
+    # an offline backlog of 2 s of device time: behind it, FIFO would keep "urgent" past its bound below
+    wait_for(lambda: keyed.tenant_inflight("mixed") >= 2 * CAPACITY, 30, "an offline backlog of 2 s of device time")
     started = time.monotonic()
     r = post(keyed.url, {"input": "urgent"}, headers=auth(key))
     urgent_ms = (time.monotonic() - started) * 1000

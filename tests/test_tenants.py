@@ -16,16 +16,13 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from tasks.errors import InvalidInput, Unauthorized, Unavailable
-from tasks.store.ledger import Base, make_engine
+from tasks.policy.tenancy import Principal, TenantPolicy
+from tasks.schema import Priority
+from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import (
     KEY_FORMAT,
-    ApiKeyRecord,
     KeyStore,
-    Principal,
-    Priority,
     TenantDirectory,
-    TenantPolicy,
-    TenantRecord,
     hash_key,
     key_id_of,
     new_key,

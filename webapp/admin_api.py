@@ -9,27 +9,17 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from flask import Blueprint, Response, current_app, g, jsonify, request
+from flask import Blueprint, Response, g, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
 
-from tasks.broker.gateway import Gateway
-from tasks.config import Settings
 from tasks.errors import InvalidInput, Unavailable
 from tasks.state.admission import model_report
-from tasks.store.tenants import KeyStore
 from webapp import tenancy
 from webapp.body import read_json
 from webapp.errors import error_response
+from webapp.services import services
 
 bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
-
-
-def _store() -> KeyStore:
-    return current_app.extensions["llmb_keys"]  # type: ignore[no-any-return]
-
-
-def _gateway() -> Gateway:
-    return current_app.extensions["llmb"]  # type: ignore[no-any-return]
 
 
 @bp.before_request
@@ -48,7 +38,7 @@ def _bad_value(exc: ValueError) -> Response:
 
 
 def _json_object() -> dict[str, Any]:
-    body = read_json(current_app.extensions["llmb_settings"])
+    body = read_json(services().settings)
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
     return body
@@ -57,9 +47,9 @@ def _json_object() -> dict[str, Any]:
 @bp.get("/tenants")
 def list_tenants() -> Response:
     now = time.time()
-    admission = _gateway().admission
+    admission = services().gateway.admission
     return jsonify(tenants=[{**asdict(p), "in_flight": admission.tenant_in_flight(p.name, now)}
-                            for p in _store().list_tenants()])
+                            for p in services().keys.list_tenants()])
 
 
 @bp.put("/tenants/<name>")
@@ -72,12 +62,12 @@ def set_tenant(name: str) -> Response:
     for field, value in body.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[field])):
             raise InvalidInput(f"'{field}' must be a {'number' if field == 'weight' else kinds[field][0].__name__}")
-    return jsonify(asdict(_store().set_tenant(name, **body)))
+    return jsonify(asdict(services().keys.set_tenant(name, **body)))
 
 
 @bp.get("/keys")
 def list_keys() -> Response:
-    keys = _store().list_keys(request.args.get("tenant"))
+    keys = services().keys.list_keys(request.args.get("tenant"))
     return jsonify(keys=[{k: (v.isoformat() if hasattr(v, "isoformat") else v) for k, v in asdict(info).items()}
                          for info in keys])
 
@@ -92,7 +82,7 @@ def create_key() -> Response:
         raise InvalidInput("'admin' must be true or false")
     if label is not None and not isinstance(label, str):
         raise InvalidInput("'label' must be a string")
-    key_id, key = _store().create_key(tenant, admin=admin, label=label)
+    key_id, key = services().keys.create_key(tenant, admin=admin, label=label)
     response = jsonify(id=key_id, tenant=tenant, key=key, note="shown once: only its hash is stored")
     response.status_code = 201
     return response
@@ -100,13 +90,13 @@ def create_key() -> Response:
 
 @bp.delete("/keys/<key_id>")
 def revoke_key(key_id: str) -> Response:
-    if not _store().revoke(key_id):
+    if not services().keys.revoke(key_id):
         return error_response(404, "not_found", f"no active key with id {key_id!r}")
     return jsonify(id=key_id, revoked=True)
 
 
 @bp.get("/stats")
 def stats() -> Response:
-    settings: Settings = current_app.extensions["llmb_settings"]
-    gateway = _gateway()
-    return jsonify(models=model_report(gateway.admission, gateway.live_workers(), time.time(), settings.scale_headroom))
+    gateway = services().gateway
+    return jsonify(models=model_report(gateway.admission, gateway.live_workers(), time.time(),
+                                       services().settings.scale_headroom))

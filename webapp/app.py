@@ -5,25 +5,21 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
-import uuid
 
-import redis
-from flask import Flask, Response, current_app, g, jsonify, request
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
+from flask import Flask, Response, g, jsonify, request
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tasks.broker.gateway import Answer, Gateway, redis_client
-from tasks.broker.queues import RequestPublisher
+from tasks.broker.gateway import Answer
 from tasks.config import Settings
 from tasks.logs import setup_logging
-from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
-from tasks.store.tenants import KeyStore, TenantDirectory
+from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
 from webapp import admin_api, openai_api, tenancy
 from webapp.body import read_json
-from webapp.door import Door, DoorMiddleware
+from webapp.door import DoorMiddleware
 from webapp.errors import register_error_handlers
-from webapp.validation import bind, parse_infer, request_id_from
+from webapp.services import EXTENSION, Services, services
+from webapp.validation import parse_infer, request_id_from
 
 log = logging.getLogger("llmb.web")
 OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
@@ -34,18 +30,9 @@ def create_app(settings: Settings | None = None) -> Flask:
     setup_logging(settings)
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
-    client = redis_client(settings)
-    publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
-                                 settings.persistent_requests)
-    app.extensions["llmb"] = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
-    keys = KeyStore.from_settings(settings)
-    app.extensions["llmb_keys"] = keys
-    app.extensions["llmb_tenants"] = TenantDirectory(keys, ttl_s=settings.auth_cache_s)
-    app.extensions["llmb_settings"] = settings
-    app.extensions["llmb_metrics"] = metrics_registry(settings, client, publisher)
-    door = Door.from_settings(settings)
-    app.extensions["llmb_door"] = door
-    app.wsgi_app = DoorMiddleware(app.wsgi_app, door, is_inference)  # type: ignore[method-assign]
+    built = Services.from_settings(settings)  # the process's one set of clients, for every route
+    app.extensions[EXTENSION] = built
+    app.wsgi_app = DoorMiddleware(app.wsgi_app, built.door, is_inference)  # type: ignore[method-assign]
 
     @app.before_request
     def _correlate() -> None:
@@ -73,25 +60,6 @@ def is_inference(path: str) -> bool:
     return path == "/v1/infer" or path.startswith(OPENAI_PATHS)
 
 
-def metrics_registry(settings: Settings, client: redis.Redis, publisher: RequestPublisher) -> CollectorRegistry:
-    """This process's view of every API process (multiprocess mode) plus the system-wide figures."""
-    registry = CollectorRegistry()
-    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
-        multiprocess.MultiProcessCollector(registry)
-    else:  # a single process (tests, the Flask dev server): its own counters are the whole story
-        registry.register(HTTP_REQUESTS)
-        registry.register(REQUEST_LATENCY)
-
-    def depth() -> int | None:
-        try:
-            return publisher.queue_depth()
-        except Exception:  # RabbitMQ away: leave the gauge out of this scrape
-            return None
-
-    registry.register(SystemCollector(settings, client, depth))
-    return registry
-
-
 def log_outcome(response: Response) -> None:
     """One structured line and one metrics update per inference call."""
     elapsed = time.monotonic() - g.get("started", time.monotonic())
@@ -105,19 +73,14 @@ def log_outcome(response: Response) -> None:
                     "batch_id": batches or None, "total_ms": round(elapsed * 1000, 1)})
 
 
-def _gateway() -> Gateway:
-    return current_app.extensions["llmb"]  # type: ignore[no-any-return]
-
-
+@tenancy.authenticated
 def infer() -> Response:
-    settings: Settings = current_app.extensions["llmb_settings"]
-    keyed = tenancy.caller() if settings.auth != "none" else None  # 401 before anything else
+    settings = services().settings
     body = read_json(settings)
-    call = parse_infer(body, settings, g.request_id, request.headers.get("X-Tenant"))
-    claimed = body.get("tenant") or request.headers.get("X-Tenant")
-    call = bind(call, keyed or tenancy.caller(call.tenant), settings, claimed_tenant=claimed, received_at=g.started)
-    g.tenant = call.tenant
-    answer = _gateway().submit(call)
+    call = parse_infer(body, settings, g.request_id, g.claimed_tenant)
+    # without keys the body's "tenant" names the caller (over X-Tenant); with keys it must be the key's
+    call = tenancy.bind_caller(call, claimed_tenant=body.get("tenant") or g.claimed_tenant)
+    answer = services().gateway.submit(call)
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
     return jsonify(_render(call.request_id, answer, single="input" in body, started=g.started))
 
@@ -148,9 +111,8 @@ def healthz() -> Response:
 
 
 def readyz() -> Response:
-    return jsonify(status="ready", **_gateway().ping())
+    return jsonify(status="ready", **services().gateway.ping())
 
 
 def metrics() -> Response:
-    registry: CollectorRegistry = current_app.extensions["llmb_metrics"]
-    return Response(generate_latest(registry), mimetype=CONTENT_TYPE_LATEST)
+    return Response(generate_latest(services().metrics), mimetype=CONTENT_TYPE_LATEST)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 from tasks.config import Settings
 from tasks.errors import Overloaded, QueueFull
 from tasks.state.metrics import HTTP_REQUESTS
-from webapp.errors import error_body, openai_error_body
+from webapp.errors import NATIVE, OPENAI
 from webapp.validation import request_id_from
 from webapp.worker import arrival
 
@@ -92,10 +92,8 @@ class DoorMiddleware:
         except QueueFull as exc:
             HTTP_REQUESTS.labels(str(exc.status), exc.type).inc()  # no log line: it would cost more than this
             request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
-            path = environ.get("PATH_INFO", "")
-            shape = (openai_error_body(exc.status, exc.type, exc.message) if path != "/v1/infer"
-                     else error_body(exc.type, exc.message, request_id))
-            body = json.dumps(shape).encode()
+            shape = NATIVE if environ.get("PATH_INFO", "") == "/v1/infer" else OPENAI
+            body = json.dumps(shape.body(exc.status, exc.type, exc.message, request_id)).encode()
             start_response(f"{exc.status} Too Many Requests", [
                 ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
                 ("Retry-After", str(exc.retry_after_s or 1)), ("X-Request-Id", request_id)])

@@ -12,16 +12,15 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from flask import Blueprint, Response, current_app, g, jsonify, request, stream_with_context
-from werkzeug.exceptions import HTTPException
+from flask import Blueprint, Response, g, jsonify, stream_with_context
 
-from tasks.broker.gateway import Call, Gateway
+from tasks.broker.gateway import Call
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
 from tasks.schema import Priority
 from webapp import tenancy
 from webapp.body import read_json
-from webapp.errors import openai_error_body
+from webapp.errors import OPENAI, register_error_handlers
 from webapp.openai_schema import (
     chat_response,
     chunk,
@@ -31,7 +30,7 @@ from webapp.openai_schema import (
     parse_completion,
     parse_embeddings,
 )
-from webapp.validation import bind
+from webapp.services import services
 
 bp = Blueprint("openai", __name__)
 
@@ -46,76 +45,33 @@ class ModelNotFound(BatchingError):
     type = "model_not_found"
 
 
-def openai_error(status: int, code: str, message: str, retry_after_s: int | None = None) -> Response:
-    g.error_type = code
-    response = jsonify(openai_error_body(status, code, message))
-    response.status_code = status
-    if retry_after_s is not None:
-        response.headers["Retry-After"] = str(retry_after_s)
-    return response
-
-
-@bp.errorhandler(BatchingError)
-def _batching_error(exc: BatchingError) -> Response:
-    return openai_error(exc.status, exc.type, exc.message, exc.retry_after_s)
-
-
-@bp.errorhandler(HTTPException)
-def _http_error(exc: HTTPException) -> Response:
-    status = exc.code or 500
-    message = exc.description or exc.name
-    if status == 413:
-        message = f"request body larger than {current_app.config['MAX_CONTENT_LENGTH']} bytes"
-    return openai_error(status, "invalid_request" if status == 400 else exc.name.lower().replace(" ", "_"),
-                        message)
-
-
-def _gateway() -> Gateway:
-    return current_app.extensions["llmb"]  # type: ignore[no-any-return]
-
-
-def _settings() -> Settings:
-    return current_app.extensions["llmb_settings"]  # type: ignore[no-any-return]
-
-
-def _tenant() -> str:
-    return request.headers.get("X-Tenant") or "default"
+register_error_handlers(bp, OPENAI)
 
 
 def _parsed(parse: Callable[[Any, Settings, str, str], tuple[Call, T]]) -> tuple[Call, T]:
-    """Authenticate (before the body is read), parse the body, and give the call its tenant's policy."""
-    _authenticate()
-    body = read_json(_settings())
-    call, extra = parse(body, _settings(), g.request_id, _tenant())
-    return _bind(call, body), extra
+    """Parse the body (the caller was authenticated before it was read) and give the call its tenant's policy."""
+    settings = services().settings
+    body = read_json(settings)
+    call, extra = parse(body, settings, g.request_id, g.claimed_tenant or "default")
+    return tenancy.bind_caller(_with_priority(call, body), claimed_tenant=g.claimed_tenant), extra
 
 
-def _authenticate() -> None:
-    """With keys, a missing or bad key is refused before the body is read."""
-    if _settings().auth != "none":
-        tenancy.caller()
-
-
-def _bind(call: Call, body: Any) -> Call:
-    """The caller's tenant policy on the call; ``service_tier: "flex"`` (or ``priority: "offline"``) asks for
-    offline priority, as OpenAI's flex tier trades latency for price."""
+def _with_priority(call: Call, body: Any) -> Call:
+    """``service_tier: "flex"`` (or ``priority: "offline"``) asks for offline priority, as OpenAI's flex tier
+    trades latency for price."""
     offline = isinstance(body, dict) and (body.get("service_tier") == "flex" or body.get("priority") == "offline")
-    call = replace(call, priority=Priority.OFFLINE if offline else Priority.INTERACTIVE)
-    settings = _settings()
-    principal = tenancy.caller() if settings.auth != "none" else tenancy.caller(call.tenant)
-    g.tenant = principal.tenant.name
-    return bind(call, principal, settings, claimed_tenant=request.headers.get("X-Tenant"), received_at=g.started)
+    return replace(call, priority=Priority.OFFLINE if offline else Priority.INTERACTIVE)
 
 
 def _run(call: Call, endpoint: str) -> Any:
     _check_model(call, endpoint)
-    answer = _gateway().submit(call)
+    answer = services().gateway.submit(call)
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
     return answer.results
 
 
 def _check_model(call: Call, endpoint: str) -> None:
-    kinds = {w.model: w.kind for w in _gateway().live_workers()}
+    kinds = {w.model: w.kind for w in services().gateway.live_workers()}
     if call.model not in kinds:
         served = ", ".join(sorted(kinds)) or "none"
         raise ModelNotFound(f"the model {call.model!r} is not served here (models served now: {served})")
@@ -127,7 +83,7 @@ def _check_model(call: Call, endpoint: str) -> None:
 def _sse(call: Call, endpoint: str) -> Response:
     """Server-sent events in OpenAI's chunk format; refusals (429, 400...) happen before the stream starts."""
     _check_model(call, endpoint)
-    events = _gateway().stream(call)
+    events = services().gateway.stream(call)
     chat = endpoint == "chat"
 
     def generate() -> Iterator[str]:
@@ -145,7 +101,7 @@ def _sse(call: Call, endpoint: str) -> Response:
                     yield _data(chunk(call, chat, rest, value.output["finish_reason"]))
                 else:
                     g.error_type = value.type
-                    yield _data(openai_error_body(value.status, value.type, value.message))
+                    yield _data(OPENAI.body(value.status, value.type, value.message, g.request_id))
             yield "data: [DONE]\n\n"
         finally:
             events.close()  # the client went away mid-stream: cancel the generation in the worker
@@ -159,6 +115,7 @@ def _data(payload: dict[str, Any]) -> str:
 
 
 @bp.post("/v1/completions")
+@tenancy.authenticated
 def completions() -> Response:
     call, stream = _parsed(parse_completion)
     if stream:
@@ -167,6 +124,7 @@ def completions() -> Response:
 
 
 @bp.post("/v1/chat/completions")
+@tenancy.authenticated
 def chat_completions() -> Response:
     call, stream = _parsed(parse_chat)
     if stream:
@@ -175,15 +133,16 @@ def chat_completions() -> Response:
 
 
 @bp.post("/v1/embeddings")
+@tenancy.authenticated
 def embeddings() -> Response:
     call, encoding = _parsed(parse_embeddings)
     return jsonify(embeddings_response(call.model, _run(call, "embeddings"), encoding))
 
 
 @bp.get("/v1/models")
+@tenancy.authenticated
 def models() -> Response:
-    _authenticate()
-    served = sorted({w.model for w in _gateway().live_workers()})
+    served = sorted({w.model for w in services().gateway.live_workers()})
     return jsonify(object="list", data=[{"id": m, "object": "model", "created": 0, "owned_by": "llm-batcher"}
                                         for m in served])
 

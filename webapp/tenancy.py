@@ -1,24 +1,26 @@
 """Who is calling: the API key in ``Authorization: Bearer``, or (with ``LLMB_AUTH=none``) a tenant by name.
 
-The only module of the web app that knows about authentication; routes call :func:`caller` or
-:func:`admin`, and the errors (401, 403) are rendered by the app's one error handler.
+The only module of the web app that knows about authentication. Every inference route is wrapped in
+:func:`authenticated` and gives its parsed call to :func:`bind_caller`; admin routes call :func:`admin`. The
+errors (401, 403) are rendered by the app's one error responder.
 """
 from __future__ import annotations
 
-from flask import current_app, request
+from collections.abc import Callable
+from functools import wraps
+from typing import ParamSpec, TypeVar
 
-from tasks.config import Settings
+from flask import g, request
+
+from tasks.broker.gateway import Call
 from tasks.errors import Forbidden, Unauthorized
-from tasks.policy.tenancy import Principal, check_tenant_name
-from tasks.store.tenants import HOW_TO_AUTH, TenantDirectory
+from tasks.policy.tenancy import Principal
+from tasks.store.tenants import HOW_TO_AUTH
+from webapp.services import services
+from webapp.validation import bind
 
-
-def _directory() -> TenantDirectory:
-    return current_app.extensions["llmb_tenants"]  # type: ignore[no-any-return]
-
-
-def _settings() -> Settings:
-    return current_app.extensions["llmb_settings"]  # type: ignore[no-any-return]
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def bearer_key() -> str | None:
@@ -31,17 +33,36 @@ def bearer_key() -> str | None:
     return key.strip()
 
 
-def caller(named_tenant: str | None = None) -> Principal:
-    """The caller of an inference route. Without auth, the tenant named by the request (or 'default')."""
-    if _settings().auth == "none":
-        name = check_tenant_name(named_tenant or request.headers.get("X-Tenant") or "default")
-        return Principal(tenant=_directory().policy(name), key_id="", admin=False)
-    return _directory().principal(bearer_key())
+def authenticated(view: Callable[P, R]) -> Callable[P, R]:
+    """The one authentication step of an inference route, before its body is read (a bad key costs no read).
+
+    Sets ``g.claimed_tenant`` (the X-Tenant header, read here only) and ``g.principal``: with keys the key's
+    principal (401 when missing, unknown or revoked); without keys None, as the tenant is the one the request
+    names, known once its body is parsed (:func:`bind_caller` looks it up then).
+    """
+
+    @wraps(view)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
+        g.claimed_tenant = request.headers.get("X-Tenant")
+        s = services()
+        g.principal = None if s.settings.auth == "none" else s.tenants.principal(bearer_key())
+        return view(*args, **kwargs)
+
+    return checked
+
+
+def bind_caller(call: Call, claimed_tenant: str | None) -> Call:
+    """``call`` with its caller's tenant policy (see :func:`webapp.validation.bind`; 403 when a key's call claims
+    another tenant). Without keys the caller is the tenant ``call`` names, looked up here, once."""
+    principal: Principal | None = g.principal
+    if principal is None:
+        principal = g.principal = Principal(tenant=services().tenants.policy(call.tenant), key_id="", admin=False)
+    return bind(call, principal, services().settings, claimed_tenant=claimed_tenant, received_at=g.started)
 
 
 def admin() -> Principal:
     """The caller of an admin route: always an admin key, whatever LLMB_AUTH says."""
-    principal = _directory().principal(bearer_key())
+    principal = services().tenants.principal(bearer_key())
     if not principal.admin:
         raise Forbidden("this route needs an admin key (`llmb-admin keys create <tenant> --admin`)")
     return principal

@@ -22,6 +22,7 @@ from transformers import GenerationConfig
 from transformers.generation import ContinuousBatchingConfig
 
 from gpu_worker.backends import Hooks
+from gpu_worker.backends.generation import Row, StopText, completion
 
 log = logging.getLogger("llmb.worker")
 
@@ -69,17 +70,17 @@ class ContinuousEngine:
             if inbox is not None:
                 inbox.put(result)
 
-    def generate(self, rows: list[Any], outputs: list[Any], hooks: Hooks) -> None:
-        """Greedy generation for ``rows`` (see hf_causal._Row); fills ``outputs`` at each row's index."""
+    def generate(self, rows: list[Row], outputs: list[Any], hooks: Hooks) -> None:
+        """Greedy generation for ``rows``; fills ``outputs`` at each row's index."""
         inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        by_id: dict[str, Any] = {}
+        by_id: dict[str, Row] = {}
         for row in rows:
             rid = uuid.uuid4().hex
             with self._lock:
                 self._routes[rid] = inbox
             by_id[rid] = row
             self.manager.add_request(row.prompt_ids, request_id=rid, max_new_tokens=row.max_tokens, streaming=True)
-        sent = {rid: 0 for rid in by_id}
+        rules = {rid: StopText(row.stop) for rid, row in by_id.items()}
         pending = set(by_id)
         try:
             while pending:
@@ -95,31 +96,22 @@ class ContinuousEngine:
                     continue
                 row = by_id[result.request_id]
                 tokens = [t for t in result.generated_tokens if t not in self.eos_ids]
-                text = self.tokenizer.decode(tokens, skip_special_tokens=True)
-                stopped = any(s in text for s in row.stop)
-                if row.index in hooks.streaming and not text.endswith("\ufffd"):
-                    visible = text
-                    if row.stop:
-                        cut = min((text.index(s) for s in row.stop if s in text), default=None)
-                        visible = text[:cut] if cut is not None else \
-                            text[:max(sent[result.request_id], len(text) - max(len(s) for s in row.stop) + 1)]
-                    if len(visible) > sent[result.request_id]:
-                        hooks.stream([(row.index, visible[sent[result.request_id]:])])
-                        sent[result.request_id] = len(visible)
-                if result.is_finished() or stopped:
-                    if stopped and not result.is_finished():
+                rule = rules[result.request_id]
+                delta = rule.feed(self.tokenizer.decode(tokens, skip_special_tokens=True))
+                if delta and row.index in hooks.streaming:
+                    hooks.stream([(row.index, delta)])
+                if result.is_finished() or rule.stopped:
+                    if rule.stopped and not result.is_finished():
                         self.manager.cancel_request(result.request_id)
                     ended_by_eos = len(tokens) < len(result.generated_tokens)
-                    self._finish(row, tokens, outputs, "stop" if ended_by_eos or stopped else "length")
+                    self._finish(row, tokens, outputs, "stop" if ended_by_eos or rule.stopped else "length")
                     pending.discard(result.request_id)
         finally:
             with self._lock:
                 for rid in by_id:
                     self._routes.pop(rid, None)
 
-    def _finish(self, row: Any, tokens: list[int], outputs: list[Any], finish: str) -> None:
-        from gpu_worker.backends.hf_causal import completion
-
+    def _finish(self, row: Row, tokens: list[int], outputs: list[Any], finish: str) -> None:
         outputs[row.index] = completion(self.tokenizer, row, tokens, finish)
 
     def stop(self) -> None:

@@ -7,14 +7,14 @@ Each item carries its own parameters (``max_tokens``, ``temperature``, ``top_p``
 ``chat`` when its input is a JSON list of chat messages for the model's chat template). Items that decode
 alike (all greedy, or the same temperature, top_p and seed) run as one padded batch; a per-row stopping
 criterion ends each row at its own ``max_tokens`` or stop sequence, so a short request does not wait for
-a long one to be decided. Greedy outputs are the same whether a request ran alone or in a batch of 100.
+a long one to be decided (the stop rule both engines share is in
+:mod:`gpu_worker.backends.generation`). Greedy outputs are the same whether a request ran alone or in a batch of 100.
 bf16 on a GPU, fp32 on the CPU.
 """
 from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,21 +23,14 @@ from transformers.generation.streamers import BaseStreamer
 
 from gpu_worker.backends import Hooks, ItemError
 from gpu_worker.backends.continuous import ContinuousEngine, EngineConfig
-
-
-@dataclass
-class _Row:
-    index: int
-    prompt_ids: list[int]
-    max_tokens: int
-    stop: list[str]
+from gpu_worker.backends.generation import Row, StopText, completion, cut_at_stop
 
 
 class _PerRowStop(StoppingCriteria):
     """Ends each row at its own token budget or stop sequence, or when its caller has gone away
     (transformers accepts a per-row answer)."""
 
-    def __init__(self, rows: list[_Row], prompt_len: int, tokenizer: Any, hooks: Hooks) -> None:
+    def __init__(self, rows: list[Row], prompt_len: int, tokenizer: Any, hooks: Hooks) -> None:
         self.rows = rows
         self.prompt_len = prompt_len
         self.tokenizer = tokenizer
@@ -51,7 +44,7 @@ class _PerRowStop(StoppingCriteria):
                 done[r] = True
             elif row.stop:
                 text = self.tokenizer.decode(input_ids[r, self.prompt_len:], skip_special_tokens=True)
-                done[r] = any(s in text for s in row.stop)
+                done[r] = cut_at_stop(text, row.stop)[1]
         return done  # type: ignore[return-value]
 
 
@@ -59,13 +52,13 @@ class _RowStreamer(BaseStreamer):
     """Streams each row's new text at every decoding step, holding back what could still become a stop
     sequence; the final text (sent with the result) is authoritative."""
 
-    def __init__(self, rows: list[_Row], tokenizer: Any, hooks: Hooks, eos_ids: list[int]) -> None:
+    def __init__(self, rows: list[Row], tokenizer: Any, hooks: Hooks, eos_ids: list[int]) -> None:
         self.rows = rows
         self.tokenizer = tokenizer
         self.hooks = hooks
         self.eos_ids = eos_ids
         self.tokens: list[list[int]] = [[] for _ in rows]
-        self.sent = [0] * len(rows)
+        self.rules = [StopText(row.stop) for row in rows]
         self.ended = [False] * len(rows)
         self.prompt_seen = False
 
@@ -82,17 +75,10 @@ class _RowStreamer(BaseStreamer):
                 self.ended[r] = True
                 continue
             self.tokens[r].append(token)
-            text = self.tokenizer.decode(self.tokens[r], skip_special_tokens=True)
-            cut = min((text.index(s) for s in row.stop if s in text), default=None)
-            if cut is not None:
-                text, self.ended[r] = text[:cut], True
-            elif row.stop:
-                text = text[:max(self.sent[r], len(text) - max(len(s) for s in row.stop) + 1)]
-            if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-                continue
-            if len(text) > self.sent[r]:
-                deltas.append((row.index, text[self.sent[r]:]))
-                self.sent[r] = len(text)
+            delta = self.rules[r].feed(self.tokenizer.decode(self.tokens[r], skip_special_tokens=True))
+            self.ended[r] = self.rules[r].stopped
+            if delta:
+                deltas.append((row.index, delta))
         if deltas:
             self.hooks.stream(deltas)
 
@@ -155,20 +141,18 @@ class HFCausalBackend:
         params = params or [{} for _ in inputs]
         hooks = hooks or Hooks()
         outputs: list[Any] = [None] * len(inputs)
-        groups: dict[tuple[Any, ...], list[_Row]] = {}
+        groups: dict[tuple[Any, ...], list[Row]] = {}
         for i, (text, p) in enumerate(zip(inputs, params)):
             try:
                 ids = self.tokenizer(self.prompt_text(text, p))["input_ids"]
             except (ValueError, KeyError, TypeError) as exc:
                 outputs[i] = ItemError("invalid_request", f"cannot build the prompt: {exc}")
                 continue
-            max_tokens = int(p.get("max_tokens") or 16)
-            if len(ids) + max_tokens > self.max_context:
+            row = Row.from_params(i, ids, p)
+            if len(ids) + row.max_tokens > self.max_context:
                 outputs[i] = ItemError("invalid_request", f"the prompt has {len(ids)} tokens and max_tokens is "
-                                       f"{max_tokens}: more than this model's context of {self.max_context}")
+                                       f"{row.max_tokens}: more than this model's context of {self.max_context}")
                 continue
-            stop = p.get("stop") or []
-            row = _Row(i, ids, max_tokens, [stop] if isinstance(stop, str) else list(stop))
             temperature = float(p.get("temperature", 1.0) if p.get("temperature") is not None else 1.0)
             key = ("greedy",) if temperature == 0 else ("sample", temperature, float(p.get("top_p") or 1.0),
                                                         p.get("seed"))
@@ -181,7 +165,7 @@ class HFCausalBackend:
                 self._generate(key, rows[start:start + self.max_batch], outputs, hooks)
         return outputs
 
-    def _generate(self, key: tuple[Any, ...], rows: list[_Row], outputs: list[Any], hooks: Hooks) -> None:
+    def _generate(self, key: tuple[Any, ...], rows: list[Row], outputs: list[Any], hooks: Hooks) -> None:
         width = max(len(r.prompt_ids) for r in rows)
         pad = self.tokenizer.pad_token_id
         input_ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in rows],
@@ -211,17 +195,6 @@ class HFCausalBackend:
                     tokens = tokens[:n]
                     break
             outputs[row.index] = completion(self.tokenizer, row, tokens, finish)
-
-
-def completion(tokenizer: Any, row: Any, tokens: list[int], finish: str) -> dict[str, Any]:
-    """A row's answer: its text cut at the first stop sequence, the finish reason and its token counts."""
-    text = tokenizer.decode(tokens, skip_special_tokens=True)
-    cut = min((text.index(s) for s in row.stop if s in text), default=None)
-    if cut is not None:
-        text, finish = text[:cut], "stop"
-        tokens = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
-            "completion_tokens": len(tokens)}
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> list[int]:

@@ -1,0 +1,2 @@
+"""Everything that speaks AMQP: the Celery app and its one task, request publishing, the batcher process's
+consumer bootstep, recovery of lost workers' batches, and the API side of the pipeline (the gateway)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
+from typing import Any
 
 from celery import Celery
 
@@ -44,6 +46,15 @@ def make_celery(settings: Settings) -> Celery:
         worker_cancel_long_running_tasks_on_connection_loss=False,
     )
     return app
+
+
+def register_run_batch(app: Celery, run: Callable[[Batch], dict[str, Any]]) -> None:
+    """Define the one Celery task of the system in a GPU worker process: run a batch (``run`` is the worker's
+    batch runner). Acknowledged late, after the batch ran, so a batch whose worker died is redelivered."""
+
+    @app.task(name=RUN_BATCH, acks_late=True, ignore_result=True)
+    def run_batch(batch: dict[str, Any]) -> dict[str, Any]:
+        return run(Batch.from_dict(batch))
 
 
 def batch_of_task(body: bytes | str) -> Batch | None:

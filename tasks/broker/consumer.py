@@ -30,10 +30,11 @@ from tasks.policy.flush import FlushPolicy
 from tasks.policy.wait import WaitPolicy
 from tasks.schema import Batch, BatchEvent, BatchItem, InferenceRequest, WorkerInfo
 from tasks.state.claims import Claims
-from tasks.state.fleet import Fleet
+from tasks.state.fleet import Fleet, FleetCache
+from tasks.state.metrics import Stats
 from tasks.state.quarantine import Quarantine, QuarantineSync
 from tasks.state.results import ResultWriter
-from tasks.store.ledger import ItemsOutcome, Ledger, LedgerWriter, make_engine
+from tasks.store.ledger import ItemsOutcome, LedgerWriter
 
 log = logging.getLogger("llmb.batcher")
 
@@ -47,9 +48,10 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.settings = settings_of(c.app)
         s = self.settings
         client = redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2)
-        self.fleet = Fleet(client, s.key("fleet"), s.heartbeat_stale_s)
-        self.ledger = LedgerWriter(Ledger(make_engine(s.database_url), s.store_inputs), max_buffer=s.ledger_buffer,
-                                   on_drop=lambda n: client.incrby(s.key("stats", "ledger_dropped"), n))
+        stats = Stats.from_settings(s, client)
+        self.fleet = Fleet.from_settings(s, client)
+        self.workers = FleetCache(self.fleet, s.heartbeat_interval_s / 2)
+        self.ledger = LedgerWriter.from_settings(s, on_drop=lambda n: stats.add("ledger_dropped", n))
         self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000, s.max_batch_bytes), self._dispatch,
                                self._live_workers, max_outstanding=s.max_outstanding_batches,
                                lead_s=s.dispatch_lead_ms / 1000, max_retries=s.max_retries,
@@ -57,15 +59,13 @@ class BatchingStep(bootsteps.ConsumerStep):
                                                s.adaptive_max_wait_ms / 1000),
                                quantum=s.fair_quantum, offline_wait_s=s.offline_max_wait_ms / 1000,
                                on_dropped=self._on_dropped)
-        quarantine = Quarantine(client, s.key("quarantine"))
+        quarantine = Quarantine.from_settings(s, client)
         self.quarantine_sync = QuarantineSync(quarantine, self.ledger.ledger)  # the ledger is the durable copy
         self.recovery = Recovery(
-            self.batcher, self.fleet, Claims(client, s.key("claim")), quarantine,
-            ResultWriter(client, lambda item_id: s.key("result", item_id), s.result_ttl_s), self.ledger.record,
+            self.batcher, self.fleet, Claims.from_settings(s, client), quarantine,
+            ResultWriter.from_settings(s, client), self.ledger.record,
             lambda: self.app.pool.acquire(block=True, timeout=10), s.recovery_queue,
-            on_poison=lambda: client.incr(s.key("stats", "poison_inputs")))
-        self._workers: list[WorkerInfo] = []
-        self._workers_at = 0.0
+            on_poison=lambda: stats.add("poison_inputs"))
         self._timer: Any = None
         self._timer_eta = float("inf")
         self._tick: Any = None
@@ -150,7 +150,7 @@ class BatchingStep(bootsteps.ConsumerStep):
         except Exception as exc:  # Redis or the broker is away: try again at the next tick
             log.warning("could not check the fleet for lost workers: %s", exc)
         self.batcher.forget_stale_in_flight(older_than_s=600)
-        self._workers_at = 0.0
+        self.workers.invalidate()
         self._arm(self.batcher.retry_held())
 
     def _arm(self, delay: float | None) -> None:
@@ -173,14 +173,11 @@ class BatchingStep(bootsteps.ConsumerStep):
 
     # -- I/O handed to the Batcher -------------------------------------------------------------------
     def _live_workers(self) -> list[WorkerInfo]:
-        now = time.monotonic()
-        if now - self._workers_at > self.settings.heartbeat_interval_s / 2:
-            try:
-                self._workers = self.fleet.live(time.time())
-            except redis.RedisError as exc:
-                log.warning("cannot read the fleet from Redis (%s); keeping the last view", exc)
-            self._workers_at = now
-        return self._workers
+        try:
+            return self.workers.get()
+        except redis.RedisError as exc:
+            log.warning("cannot read the fleet from Redis (%s); keeping the last view", exc)
+            return self.workers.keep()
 
     def _dispatch(self, batch: Batch, worker: WorkerInfo) -> None:
         self.app.send_task(

@@ -34,7 +34,8 @@ from tasks.errors import (
 from tasks.policy.capacity import deadline_cap
 from tasks.schema import InferenceRequest, Item, ItemResult, Priority, WorkerInfo, input_hash
 from tasks.state.admission import Admission, Ticket, Verdict
-from tasks.state.fleet import Fleet
+from tasks.state.fleet import Fleet, FleetCache
+from tasks.state.keys import Keys
 from tasks.state.results import ResultListener
 
 log = logging.getLogger(__name__)
@@ -113,32 +114,24 @@ class Gateway:
         self.settings = settings
         self.client = client
         self.publisher = publisher
-        self.reply_to = settings.key("replies", instance_id)
-        self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
-                                   settings.key("quarantine"), offline_cap=settings.offline_admission_cap,
-                                   instance=instance_id, lease_s=settings.api_lease_s)
+        self.keys = Keys.from_settings(settings)
+        self.reply_to = self.keys.replies(instance_id)
+        self.admission = Admission.from_settings(settings, client, instance_id)
         self._lease_started = False
-        self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
-        def result_key(item_id: str) -> str:
-            return settings.key("result", item_id)
-
-        self.result_key = result_key
-        self.listener = ResultListener(client, self.reply_to, result_key, settings.result_recheck_ms / 1000)
-        self._workers: list[WorkerInfo] = []
-        self._workers_checked = 0.0
+        self.fleet = Fleet.from_settings(settings, client)
+        # A stopping worker still serves its model: a rolling restart must not flap it to 503.
+        self.workers = FleetCache(self.fleet, settings.heartbeat_interval_s / 2, draining=True)
+        self.result_key = self.keys.result
+        self.listener = ResultListener(client, self.reply_to, self.result_key, settings.result_recheck_ms / 1000)
 
     def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
         """The live fleet; cached for half a heartbeat interval (``fresh``: read it now)."""
-        now = time.monotonic()
-        if fresh or now - self._workers_checked > self.settings.heartbeat_interval_s / 2:
-            try:
-                self._workers = self.fleet.live(time.time(), draining=True)
-            except PoolExhausted as exc:
-                raise _overloaded(exc) from None
-            except redis.RedisError as exc:
-                raise Unavailable(f"Redis is unreachable: {exc}") from None
-            self._workers_checked = now
-        return self._workers
+        try:
+            return self.workers.get(fresh)
+        except PoolExhausted as exc:
+            raise _overloaded(exc) from None
+        except redis.RedisError as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
 
     def live_models(self, fresh: bool = False) -> set[str]:
         return {w.model for w in self.live_workers(fresh)}
@@ -202,7 +195,7 @@ class Gateway:
     def cancel(self, item_ids: list[str]) -> None:
         """Tell the workers these callers are gone, so generation for them stops (best effort)."""
         try:
-            self.client.publish(self.settings.key("cancel"), ",".join(item_ids))
+            self.client.publish(self.keys.cancel, ",".join(item_ids))
         except redis.RedisError:
             pass
 

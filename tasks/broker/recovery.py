@@ -31,7 +31,7 @@ from tasks.broker.queues import RETRY_POLICY, recovery_queue
 from tasks.errors import PoisonInput, RetriesExhausted
 from tasks.policy.batcher import Batcher
 from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, input_hash
-from tasks.state.claims import SKIP, STRANDED, Claims
+from tasks.state.claims import Claims, Verdict
 from tasks.state.fleet import Fleet
 from tasks.state.quarantine import Quarantine
 from tasks.state.results import ResultWriter
@@ -74,10 +74,10 @@ class Recovery:
         blame = str(body.get("blame") or worker)
         if kind == LOST:
             claim = self.claims.for_recovery(batch.id, str(body.get("token", batch.id)))
-            if claim.verdict == SKIP:
+            if claim.verdict is Verdict.SKIP:
                 message.ack()
                 return None
-            failure = Failure.STRANDED if claim.verdict == STRANDED else Failure.DIED
+            failure = Failure.STRANDED if claim.verdict is Verdict.STRANDED else Failure.DIED
             blame = claim.worker or worker
             self.record(BatchOutcome(batch, "reassigned" if failure is Failure.STRANDED else "died", "retrying",
                                      blame, error, finished_at=time.time()))

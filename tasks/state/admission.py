@@ -33,8 +33,10 @@ from typing import Any
 
 import redis
 
+from tasks.config import Settings
 from tasks.policy.capacity import recommended_workers
 from tasks.schema import Priority, WorkerInfo
+from tasks.state.keys import Keys
 
 RATE_WINDOW_S = 10  # the arrival rate is the mean over this many whole seconds
 SEP = "\t"  # between tenant, model and class in an owner hash's values (none of them can hold a tab)
@@ -78,7 +80,7 @@ purge(KEYS[5], KEYS[6])
 purge(KEYS[8], '')
 purge(KEYS[9], '')
 if redis.call('ZCARD', KEYS[4]) + n > tonumber(ARGV[3]) then return 'tenant_full' end
-redis.call('INCRBY', KEYS[7], n)  -- demand on the fleet, admitted or not: what autoscaling must cover
+redis.call('INCRBY', KEYS[7], n)  -- demand within tenant caps, admitted or not: what autoscaling must cover
 redis.call('EXPIRE', KEYS[7], 60)
 local offline = ARGV[6] == 'offline'
 local ahead = redis.call('ZCARD', KEYS[5])
@@ -195,6 +197,13 @@ class Admission:
         self._collect = client.register_script(_COLLECT)
         self._renew = client.register_script(_RENEW)
         self._oldest = client.register_script(_OLDEST)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, client: redis.Redis, instance: str = "") -> Admission:
+        """The admission sets; ``instance`` names an API process that admits (readers leave it empty)."""
+        keys = Keys.from_settings(settings)
+        return cls(client, keys.inflight, settings.admission_cap, keys.quarantine,
+                   offline_cap=settings.offline_admission_cap, instance=instance, lease_s=settings.api_lease_s)
 
     def tenant_key(self, tenant: str) -> str:
         return f"{self.key}:t:{tenant}"

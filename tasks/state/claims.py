@@ -22,11 +22,24 @@ Claims expire after ``ttl_s`` (they only need to outlive redeliveries).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 
 import redis
 
+from tasks.config import Settings
+from tasks.state.keys import Keys
+
 DONE, RECOVERED = "~done", "~recovered"
-RUN, SKIP, DIED, MINE, STRANDED = "run", "skip", "died", "mine", "stranded"
+
+
+class Verdict(StrEnum):
+    """What a claim script says to do with a batch (the scripts return these names)."""
+
+    RUN = "run"  # nobody had it: run it
+    SKIP = "skip"  # done, recovered or taken back already: leave it
+    MINE = "mine"  # this run holds it already (redelivered to it)
+    DIED = "died"  # the run named in the claim died holding it
+    STRANDED = "stranded"  # it never started: send it elsewhere
 
 # KEYS[1] claim; ARGV[1] run id; ARGV[2] ttl -> "run" | "skip" | "mine" | "died:<owner>"
 _FOR_RUN = """
@@ -55,7 +68,7 @@ return 'died:' .. owner
 class Claim:
     """A claim script's verdict and, for DIED, the run that died holding the batch."""
 
-    verdict: str  # RUN, SKIP, MINE, DIED or STRANDED
+    verdict: Verdict
     owner: str = ""
 
     @property
@@ -71,6 +84,10 @@ class Claims:
         self.ttl_s = ttl_s
         self._for_run = client.register_script(_FOR_RUN)
         self._for_recovery = client.register_script(_FOR_RECOVERY)
+
+    @classmethod
+    def from_settings(cls, settings: Settings, client: redis.Redis) -> Claims:
+        return cls(client, Keys.from_settings(settings).claims)
 
     def key(self, batch_id: str) -> str:
         return f"{self.prefix}:{batch_id}"
@@ -95,4 +112,4 @@ class Claims:
 def _claim(value: object) -> Claim:
     text = value.decode() if isinstance(value, bytes) else str(value)
     verdict, _, owner = text.partition(":")
-    return Claim(verdict, owner)
+    return Claim(Verdict(verdict), owner)

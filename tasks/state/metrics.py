@@ -24,6 +24,8 @@ from prometheus_client.registry import Collector
 from tasks.config import Settings
 from tasks.state.admission import Admission, model_report
 from tasks.state.fleet import Fleet
+from tasks.state.keys import Keys
+from tasks.state.quarantine import Quarantine
 
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)
 RUN_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -40,15 +42,44 @@ def _bucket(value: float, bounds: tuple[float, ...]) -> str:
     return repr(bounds[i]) if i < len(bounds) else "+Inf"
 
 
-def observe_batch(pipe: Any, settings: Settings, size: int, run_s: float, tokens: int = 0) -> None:
-    """Add one batch to the system's histograms and token count (inside the caller's Redis pipeline)."""
-    if tokens:
-        pipe.incrby(settings.key("stats", "tokens"), tokens)
-    for name, value, bounds in (("batch_size", float(size), BATCH_SIZE_BUCKETS),
-                                ("batch_run_seconds", run_s, RUN_SECONDS_BUCKETS)):
-        key = settings.key("metrics", name)
-        pipe.hincrby(key, _bucket(value, bounds), 1)
-        pipe.hincrbyfloat(key, "sum", value)
+COUNTERS = ("items_done", "batches_done", "poison_inputs", "ledger_dropped", "tokens")
+
+
+class Stats:
+    """The system-wide counters and histograms in Redis that every process adds to and /metrics reads."""
+
+    def __init__(self, client: redis.Redis, keys: Keys) -> None:
+        self.client = client
+        self.keys = keys
+
+    @classmethod
+    def from_settings(cls, settings: Settings, client: redis.Redis) -> Stats:
+        return cls(client, Keys.from_settings(settings))
+
+    def add(self, counter: str, n: int = 1) -> None:
+        self.client.incrby(self.keys.stat(counter), n)
+
+    def counters(self) -> dict[str, int]:
+        """Every counter in :data:`COUNTERS`, now."""
+        return {n: int(v or 0) for n, v in zip(COUNTERS, self.client.mget([self.keys.stat(n) for n in COUNTERS]))}
+
+    def histogram(self, name: str) -> dict[bytes, bytes]:
+        """One histogram as stored: bucket bound (or "sum") -> count."""
+        return self.client.hgetall(self.keys.histogram(name))  # type: ignore[return-value]
+
+    def busy_seconds(self) -> float:
+        """Seconds the devices spent running batches, all of them together, since the system started."""
+        return float(self.client.hget(self.keys.histogram("batch_run_seconds"), "sum") or 0)
+
+    def observe_batch(self, pipe: Any, size: int, run_s: float, tokens: int = 0) -> None:
+        """Add one batch to the histograms and token count (inside the caller's Redis pipeline)."""
+        if tokens:
+            pipe.incrby(self.keys.stat("tokens"), tokens)
+        for name, value, bounds in (("batch_size", float(size), BATCH_SIZE_BUCKETS),
+                                    ("batch_run_seconds", run_s, RUN_SECONDS_BUCKETS)):
+            key = self.keys.histogram(name)
+            pipe.hincrby(key, _bucket(value, bounds), 1)
+            pipe.hincrbyfloat(key, "sum", value)
 
 
 class SystemCollector(Collector):
@@ -58,22 +89,18 @@ class SystemCollector(Collector):
         self.settings = settings
         self.client = client
         self.queue_depth = queue_depth
-        self.fleet = Fleet(client, settings.key("fleet"), settings.heartbeat_stale_s)
-        self.admission = Admission(client, settings.key("inflight"), settings.admission_cap,
-                                   settings.key("quarantine"))
+        self.stats = Stats.from_settings(settings, client)
+        self.fleet = Fleet.from_settings(settings, client)
+        self.admission = Admission.from_settings(settings, client)
+        self.quarantine = Quarantine.from_settings(settings, client)
 
     def collect(self) -> Iterator[Metric]:
         s, now = self.settings, time.time()
         try:
-            pipe = self.client.pipeline(transaction=False)
-            pipe.zcount(s.key("inflight"), now, "+inf")
-            pipe.zrange(s.key("inflight") + ":arrivals", 0, 0, withscores=True)
-            pipe.mget([s.key("stats", n) for n in ("items_done", "batches_done", "poison_inputs", "ledger_dropped",
-                                                    "tokens")])
-            pipe.scard(s.key("quarantine"))
-            pipe.hgetall(s.key("metrics", "batch_size"))
-            pipe.hgetall(s.key("metrics", "batch_run_seconds"))
-            in_flight, oldest, counters, quarantined, sizes, runs = pipe.execute()
+            # A scrape is rare (every 15 s or so): each figure is read from the object that owns it.
+            in_flight, oldest = self.admission.in_flight(now), self.admission.oldest_arrival()
+            counters, quarantined = self.stats.counters(), self.quarantine.count()
+            sizes, runs = self.stats.histogram("batch_size"), self.stats.histogram("batch_run_seconds")
             workers = self.fleet.all()
             live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
             models = model_report(self.admission, live, now, s.scale_headroom)
@@ -88,7 +115,7 @@ class SystemCollector(Collector):
         yield GaugeMetricFamily("llmb_in_flight_items", "Items admitted and not yet answered.", value=in_flight)
         yield GaugeMetricFamily("llmb_oldest_waiting_seconds",
                                 "Age of the oldest admitted, unanswered item (the autoscaling signal).",
-                                value=now - float(oldest[0][1]) if oldest else 0.0)
+                                value=now - oldest if oldest is not None else 0.0)
         yield from _per_model(models)
         by_state = GaugeMetricFamily("llmb_workers", "GPU workers by state, from heartbeats.", labels=["state"])
         states = {"idle": 0, "busy": 0, "stale": 0}
@@ -97,7 +124,7 @@ class SystemCollector(Collector):
         for state, n in states.items():
             by_state.add_metric([state], n)
         yield by_state
-        done, batches, poison, dropped, tokens = (int(v or 0) for v in counters)
+        done, batches, poison, dropped, tokens = (counters[n] for n in COUNTERS)
         yield CounterMetricFamily("llmb_tokens", "Prompt and generated tokens processed by every worker.",
                                   value=tokens)
         yield CounterMetricFamily("llmb_items_done", "Items answered with an output.", value=done)

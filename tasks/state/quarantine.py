@@ -17,6 +17,9 @@ from typing import Any, Protocol
 
 import redis
 
+from tasks.config import Settings
+from tasks.state.keys import Keys
+
 log = logging.getLogger("llmb.quarantine")
 
 
@@ -24,6 +27,10 @@ class Quarantine:
     def __init__(self, client: redis.Redis, key: str) -> None:
         self.client = client
         self.key = key  # set of hashes; details live in key + ":info"
+
+    @classmethod
+    def from_settings(cls, settings: Settings, client: redis.Redis) -> Quarantine:
+        return cls(client, Keys.from_settings(settings).quarantine)
 
     @property
     def info_key(self) -> str:
@@ -55,6 +62,9 @@ class Quarantine:
 
     def contains(self, digest: str) -> bool:
         return bool(self.client.sismember(self.key, digest))
+
+    def count(self) -> int:
+        return int(self.client.scard(self.key))
 
     def members(self) -> set[str]:
         return {m.decode() if isinstance(m, bytes) else str(m) for m in self.client.smembers(self.key)}

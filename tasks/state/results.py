@@ -17,8 +17,11 @@ from typing import Any
 
 import redis
 
+from tasks.config import Settings
 from tasks.schema import BatchItem, ItemResult
 from tasks.state.claims import DONE
+from tasks.state.keys import Keys
+from tasks.state.pubsub import Subscription
 
 log = logging.getLogger(__name__)
 Read = Callable[[Sequence[str]], list[bytes | None]]  # item ids -> their result keys' values, in order
@@ -36,6 +39,13 @@ class ResultWriter:
         self.ttl_s = ttl_s
         self.counter_key = counter_key  # items answered with an output
         self.batch_counter_key = batch_counter_key  # batches run
+
+    @classmethod
+    def from_settings(cls, settings: Settings, client: redis.Redis, *, count: bool = False) -> ResultWriter:
+        """``count``: also count items and batches answered (the GPU workers' writer; recovery's does not)."""
+        keys = Keys.from_settings(settings)
+        return cls(client, keys.result, settings.result_ttl_s, keys.stat("items_done") if count else None,
+                   keys.stat("batches_done") if count else None)
 
     def write(self, results: Iterable[tuple[BatchItem, ItemResult]], done_key: str | None = None,
               extra: Callable[[Any], None] | None = None) -> None:
@@ -106,17 +116,13 @@ class ResultListener:
         # How to read result keys: plain MGET by default; the gateway reads and releases admission together.
         self.read: Read = read or self._mget
         self._waiters: dict[str, _Waiter] = {}
-        self._started = False
-        self._start_lock = threading.Lock()
+        # After each (re)subscription, wake every waiter: anything published while away is in the keys.
+        self._subscription = Subscription(client, channel, self._on_message,
+                                          on_connect=lambda: self._wake(list(self._waiters)), name="result listener")
 
     def start(self) -> None:
         """Start the listener once, lazily, in the process that will wait (after gunicorn forks)."""
-        if self._started:
-            return
-        with self._start_lock:
-            if not self._started:
-                threading.Thread(target=self._listen, name="result-listener", daemon=True).start()
-                self._started = True
+        self._subscription.start()
 
     def wait(self, item_ids: Sequence[str], deadline: float, read: Read | None = None) -> dict[str, ItemResult]:
         """Block until every item has a result or the monotonic ``deadline`` passes.
@@ -206,25 +212,9 @@ class ResultListener:
                 waiter.deltas.append(text)
                 waiter.event.set()
 
-    def _listen(self) -> None:
-        while True:
-            pubsub = self.client.pubsub(ignore_subscribe_messages=True)
-            try:
-                pubsub.subscribe(self.channel)
-                self._wake(list(self._waiters))  # anything published while we were away: re-read the keys
-                while True:
-                    message = pubsub.get_message(timeout=1.0)
-                    if message and message["type"] == "message":
-                        data = message["data"].decode()
-                        if data.startswith(DELTAS):
-                            self._deliver(json.loads(data[1:]))
-                        else:
-                            self._wake(data.split(","))
-            except (redis.ConnectionError, redis.TimeoutError, OSError) as exc:
-                log.warning("result listener lost Redis (%s); reconnecting", exc)
-                time.sleep(0.5)
-            finally:
-                try:
-                    pubsub.close()
-                except Exception:  # closing a broken connection may raise; nothing left to clean
-                    pass
+    def _on_message(self, raw: bytes) -> None:
+        data = raw.decode()
+        if data.startswith(DELTAS):
+            self._deliver(json.loads(data[1:]))
+        else:
+            self._wake(data.split(","))

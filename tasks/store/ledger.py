@@ -1,149 +1,48 @@
 """The outcome ledger: what every batch did, which requests it carried, and which inputs are quarantined.
 
-SQLAlchemy 2.x models (schema managed by Alembic in ``migrations/``) and a writer that keeps the database
-off the hot path: processes hand it one event per batch, and a background thread writes what has queued up in
-one transaction. When the database is down, events wait in a bounded buffer and are retried; beyond the bound
-they are dropped, counted and logged. Serving never waits for the database.
+A writer that keeps the database off the hot path (the tables are in :mod:`tasks.store.models`): processes
+hand it one event per batch, and a background thread writes what has queued up in one transaction. When the
+database is down, events wait in a bounded buffer and are retried; beyond the bound they are dropped, counted
+and logged. Serving never waits for the database.
 
-One record the database refuses must not stop the rest. Text is made storable on the way in (every string
-column is a :class:`StorableString` / :class:`StorableText`), and when a write still fails because of what it
-holds (:func:`refused_by_database`), the writer writes those events again one at a time, and a refused event
-row by row, dropping (logging and counting) only the rows the database will not take.
+One record the database refuses must not stop the rest. Text is made storable on the way in, and when a write
+still fails because of what it holds (:func:`refused_by_database`), the writer writes those events again one
+at a time, and a refused event row by row, dropping (logging and counting) only the rows the database will
+not take.
 """
 from __future__ import annotations
 
 import functools
 import logging
 import queue
-import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
 from sqlalchemy import (
-    DateTime,
-    Dialect,
-    Float,
-    ForeignKey,
-    Integer,
-    String,
     Table,
-    Text,
     bindparam,
     case,
-    create_engine,
-    event,
     literal_column,
     or_,
     select,
     update,
 )
-from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
-from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
-from sqlalchemy.types import TypeDecorator
+from sqlalchemy.orm import Session
 
+from tasks.config import Settings
 from tasks.schema import Batch, BatchItem, input_hash
+from tasks.store.models import Base, BatchRecord, BatchRequest, QuarantineRecord, RequestRecord, make_engine
 
 log = logging.getLogger("llmb.ledger")
 
 
 FINAL_STATUSES = ("ok", "poison", "expired", "exhausted", "rejected")
-
-
-_UNSTORABLE = re.compile("[\x00\ud800-\udfff]")
-
-
-def storable(text: str) -> str:
-    """``text`` as every supported database stores it: NUL (PostgreSQL refuses it in text columns) and lone
-    surrogates (which have no UTF-8 encoding, so no driver can send them) become U+FFFD."""
-    return _UNSTORABLE.sub("\ufffd", text)
-
-
-class StorableString(TypeDecorator[str]):
-    """``String(n)`` whose values are passed through :func:`storable`: the one place text is made storable."""
-
-    impl = String
-    cache_ok = True
-
-    def process_bind_param(self, value: str | None, dialect: Dialect) -> str | None:
-        return storable(value) if isinstance(value, str) else value
-
-
-class StorableText(StorableString):
-    """``Text``, made storable the same way."""
-
-    impl = Text
-    cache_ok = True
-
-
-class Base(DeclarativeBase):
-    pass
-
-
-class RequestRecord(Base):
-    """One input (batch item) and its final outcome."""
-
-    __tablename__ = "requests"
-    id: Mapped[str] = mapped_column(StorableString(64), primary_key=True)  # item id
-    correlation_id: Mapped[str] = mapped_column(StorableString(128), index=True)
-    tenant: Mapped[str] = mapped_column(StorableString(64), index=True)
-    model: Mapped[str] = mapped_column(StorableString(128), index=True)
-    # ok, retrying, poison, expired, exhausted, rejected
-    status: Mapped[str] = mapped_column(StorableString(16), index=True)
-    input_hash: Mapped[str] = mapped_column(StorableString(32), index=True)
-    input: Mapped[str | None] = mapped_column(StorableText)  # only with LLMB_STORE_INPUTS
-    error: Mapped[str | None] = mapped_column(StorableText)
-    batch_id: Mapped[str | None] = mapped_column(StorableString(64))  # the last batch that carried it
-    accepted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    queued_ms: Mapped[float | None] = mapped_column(Float)
-    run_ms: Mapped[float | None] = mapped_column(Float)
-
-
-class BatchRecord(Base):
-    """One batch as run (or failed) on one worker; splits point to their parent."""
-
-    __tablename__ = "batches"
-    id: Mapped[str] = mapped_column(StorableString(64), primary_key=True)
-    parent_id: Mapped[str | None] = mapped_column(StorableString(64), index=True)
-    model: Mapped[str] = mapped_column(StorableString(128))
-    worker: Mapped[str | None] = mapped_column(StorableString(255), index=True)
-    size: Mapped[int] = mapped_column(Integer)
-    attempt: Mapped[int] = mapped_column(Integer, default=0)
-    status: Mapped[str] = mapped_column(StorableString(16), index=True)  # ok, raised, died, reassigned
-    error: Mapped[str | None] = mapped_column(StorableText)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
-    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    run_ms: Mapped[float | None] = mapped_column(Float)
-
-
-class BatchRequest(Base):
-    """Which requests a batch carried."""
-
-    __tablename__ = "batch_requests"
-    batch_id: Mapped[str] = mapped_column(StorableString(64), ForeignKey("batches.id", ondelete="CASCADE"),
-                                          primary_key=True)
-    request_id: Mapped[str] = mapped_column(StorableString(64), primary_key=True, index=True)
-
-
-class QuarantineRecord(Base):
-    """An input that failed alone; refused at the door until released."""
-
-    __tablename__ = "quarantined_inputs"
-    input_hash: Mapped[str] = mapped_column(StorableString(32), primary_key=True)
-    model: Mapped[str] = mapped_column(StorableString(128))
-    reason: Mapped[str] = mapped_column(StorableText)
-    batch_id: Mapped[str] = mapped_column(StorableString(64))
-    request_id: Mapped[str] = mapped_column(StorableString(64))
-    input: Mapped[str | None] = mapped_column(StorableText)
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    released_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 def ts(epoch: float | None) -> datetime | None:
@@ -193,25 +92,6 @@ class Released:
 LedgerEvent = BatchOutcome | ItemsOutcome | Quarantined | Released
 
 
-def make_engine(url: str) -> Engine:
-    """An engine that several processes can share a SQLite file through (WAL, waiting on locks)."""
-    if url.startswith("sqlite"):
-        path = make_url(url).database
-        if path and path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30})
-
-        @event.listens_for(engine, "connect")
-        def _pragmas(dbapi_conn: Any, _record: Any) -> None:
-            cursor = dbapi_conn.cursor()
-            cursor.execute("PRAGMA journal_mode=WAL")
-            cursor.execute("PRAGMA synchronous=NORMAL")
-            cursor.close()
-
-        return engine
-    return create_engine(url, pool_pre_ping=True)
-
-
 @dataclass(frozen=True)
 class _Write:
     """One statement and the rows it runs for: run whole (one executemany) or, to isolate a refusal, row by row."""
@@ -228,6 +108,10 @@ class Ledger:
     def __init__(self, engine: Engine, store_inputs: bool = False) -> None:
         self.engine = engine
         self.store_inputs = store_inputs
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Ledger:
+        return cls(make_engine(settings.database_url), settings.store_inputs)
 
     def write(self, ev: LedgerEvent) -> None:
         self.write_many([ev])
@@ -422,6 +306,10 @@ class LedgerWriter:
     _closing: threading.Event = field(init=False, default_factory=threading.Event)
     dropped: int = field(default=0, init=False)  # records lost for any reason (buffer full, refused)
     refused: int = field(default=0, init=False)  # of which the database refused
+
+    @classmethod
+    def from_settings(cls, settings: Settings, on_drop: Callable[[int], object] = lambda n: None) -> LedgerWriter:
+        return cls(Ledger.from_settings(settings), max_buffer=settings.ledger_buffer, on_drop=on_drop)
 
     def __post_init__(self) -> None:
         self._queue = queue.Queue()

@@ -26,17 +26,17 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from typing import Generic, NoReturn, TypeVar
 
-from sqlalchemy import Boolean, DateTime, Float, Integer, String, select, union, update
+from sqlalchemy import select, union, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
-from sqlalchemy.orm import Mapped, Session, mapped_column
+from sqlalchemy.orm import Session
 
 from tasks.config import Settings
 from tasks.errors import Unauthorized, Unavailable
 from tasks.policy.tenancy import Principal, TenantPolicy, check_priority, check_tenant_name
 from tasks.schema import Priority
-from tasks.store.ledger import Base, make_engine
+from tasks.store.models import ApiKeyRecord, TenantRecord, make_engine
 
 log = logging.getLogger("llmb.tenants")
 
@@ -54,31 +54,6 @@ class KeyInfo:
     label: str | None
     created_at: datetime
     revoked_at: datetime | None
-
-
-class TenantRecord(Base):
-    """A tenant's own settings; an empty column means "the default"."""
-
-    __tablename__ = "tenants"
-    name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    weight: Mapped[float] = mapped_column(Float)
-    max_in_flight: Mapped[int | None] = mapped_column(Integer)
-    priority: Mapped[str | None] = mapped_column(String(16))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-
-
-class ApiKeyRecord(Base):
-    """One issued key, by the SHA-256 of its text."""
-
-    __tablename__ = "api_keys"
-    id: Mapped[str] = mapped_column(String(16), primary_key=True)
-    tenant: Mapped[str] = mapped_column(String(64), index=True)
-    key_hash: Mapped[str] = mapped_column(String(64), unique=True)
-    admin: Mapped[bool] = mapped_column(Boolean, default=False)
-    label: Mapped[str | None] = mapped_column(String(128))
-    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
-    revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 def new_key() -> tuple[str, str]:

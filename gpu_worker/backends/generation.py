@@ -1,0 +1,78 @@
+"""What both text-generation engines (padded ``generate()`` and continuous batching) share, free of torch.
+
+The stop rule lives here once: output is cut at the first stop sequence, and while streaming, text that
+could still turn out to be the start of one is held back until more text shows it is not. Keeping it pure
+means it is tested without a model, and neither engine imports the other to reach it.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+HALF_CHARACTER = "\ufffd"  # what a decoder shows for a multi-byte character whose other tokens are to come
+
+
+@dataclass
+class Row:
+    """One item to generate for: its position in the batch, prompt tokens, token budget and stop sequences."""
+
+    index: int
+    prompt_ids: list[int]
+    max_tokens: int
+    stop: list[str]
+
+    @classmethod
+    def from_params(cls, index: int, prompt_ids: list[int], params: Mapping[str, Any]) -> Row:
+        """The API has validated ``params``; a backend called directly gets the same defaults it would."""
+        stop = params.get("stop") or []
+        return cls(index, prompt_ids, int(params.get("max_tokens") or 16),
+                   [stop] if isinstance(stop, str) else list(stop))
+
+
+def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
+    """``text`` up to its earliest stop sequence, and whether there was one."""
+    cut = min((text.index(s) for s in stop if s in text), default=None)
+    return (text, False) if cut is None else (text[:cut], True)
+
+
+class StopText:
+    """The stop rule for one streamed row: fed its whole decoded text at each step (decoders re-decode all
+    tokens, since a token's text depends on its neighbours), it says what may be sent now and whether a stop
+    sequence has been hit. It holds back the last (longest stop - 1) characters, which could be the start of
+    a stop sequence, and half characters; the final text, sent with the result, is authoritative."""
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.stop = list(stop)
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.sent = 0  # characters handed out so far
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """The new text that is safe to stream, given all the text decoded so far ("" for none yet)."""
+        visible, self.stopped = cut_at_stop(text, self.stop)
+        if not self.stopped:
+            visible = visible[:max(self.sent, len(visible) - self.hold)]
+        if visible.endswith(HALF_CHARACTER) or len(visible) <= self.sent:
+            return ""
+        delta, self.sent = visible[self.sent:], len(visible)
+        return delta
+
+    def final(self, text: str) -> str:
+        """The whole answer for the row's final decoded text: cut at its first stop sequence."""
+        return cut_at_stop(text, self.stop)[0]
+
+    def flush(self, text: str) -> str:
+        """What is still to be sent of the final text (the API sends it with the last chunk)."""
+        rest = self.final(text)[self.sent:]
+        self.sent += len(rest)
+        return rest
+
+
+def completion(tokenizer: Any, row: Row, tokens: list[int], finish: str) -> dict[str, Any]:
+    """A row's answer: its text cut at the first stop sequence, the finish reason and its token counts."""
+    text, stopped = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), row.stop)
+    if stopped:  # count what is sent, not what was generated past the stop
+        finish, tokens = "stop", tokenizer(text, add_special_tokens=False)["input_ids"]
+    return {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
+            "completion_tokens": len(tokens)}

@@ -1,0 +1,4 @@
+"""`python -m tasks.cli`: the same as `llmb-admin`."""
+from tasks.cli import main
+
+main()

@@ -1,0 +1,75 @@
+"""Every Redis key and pub/sub channel of one deployment, named in one place.
+
+All of them start with the namespace (``LLMB_NAMESPACE``), so several systems can share one Redis. Build one
+:class:`Keys` per process with :meth:`Keys.from_settings`; the state objects take their names from it.
+
+========================================  ======  ===================================================
+key                                       type    what
+========================================  ======  ===================================================
+``<ns>:fleet``                            hash    worker id -> heartbeat (:mod:`tasks.state.fleet`)
+``<ns>:inflight`` (+ ``:arrivals``,       zsets   admitted, unanswered items (:mod:`tasks.state.admission`;
+``:offline``, ``:t:<tenant>``,                    the admission scripts derive the sub-keys from this
+``:m:<model>[:arrivals|:offline]``)               base, in Lua too)
+``<ns>:inflight:m:<model>:rate:<s>``      string  arrivals of one second, for the arrival rate
+``<ns>:inflight:instances``               zset    API processes' leases, scored by expiry
+``<ns>:inflight:owner:<instance>``        hash    what one API process admitted
+``<ns>:quarantine`` (+ ``:info``,         set     input hashes refused at the door (:mod:`tasks.state.quarantine`)
+``:loaded``)
+``<ns>:claim:<batch id>``                 string  who runs a batch (:mod:`tasks.state.claims`)
+``<ns>:result:<item id>``                 string  an item's answer, JSON (:mod:`tasks.state.results`)
+``<ns>:replies:<instance>``               channel wake-ups (and streamed text) for one API process
+``<ns>:cancel``                           channel item ids whose callers went away
+``<ns>:stats:<counter>``                  string  system-wide counters (items_done, tokens, ...)
+``<ns>:metrics:<histogram>``              hash    bucket -> count, for /metrics
+========================================  ======  ===================================================
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tasks.config import Settings
+
+
+@dataclass(frozen=True)
+class Keys:
+    namespace: str
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Keys:
+        return cls(settings.namespace)
+
+    def _key(self, *parts: str) -> str:
+        return ":".join((self.namespace, *parts))
+
+    @property
+    def fleet(self) -> str:
+        return self._key("fleet")
+
+    @property
+    def inflight(self) -> str:
+        return self._key("inflight")
+
+    @property
+    def quarantine(self) -> str:
+        return self._key("quarantine")
+
+    @property
+    def claims(self) -> str:
+        """Prefix of the per-batch claim keys."""
+        return self._key("claim")
+
+    def result(self, item_id: str) -> str:
+        return self._key("result", item_id)
+
+    def replies(self, instance: str) -> str:
+        return self._key("replies", instance)
+
+    @property
+    def cancel(self) -> str:
+        return self._key("cancel")
+
+    def stat(self, name: str) -> str:
+        return self._key("stats", name)
+
+    def histogram(self, name: str) -> str:
+        return self._key("metrics", name)

@@ -1,0 +1,72 @@
+"""What every route of one API process shares, built once by :func:`webapp.create_app` and read with
+:func:`services`: one typed object instead of loose string keys in ``app.extensions``."""
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass
+
+import redis
+from flask import Flask, current_app
+from prometheus_client import CollectorRegistry, multiprocess
+
+from tasks.broker.gateway import Gateway, redis_client
+from tasks.broker.queues import RequestPublisher
+from tasks.config import Settings
+from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
+from tasks.store.tenants import KeyStore, TenantDirectory
+from webapp.door import Door
+
+EXTENSION = "llmb"  # the one key in app.extensions
+
+
+@dataclass(frozen=True)
+class Services:
+    """The process's settings and clients: the gateway (Redis, RabbitMQ), the key store and its cached
+    directory, the door's counter and the metrics registry /metrics reports."""
+
+    settings: Settings
+    gateway: Gateway
+    keys: KeyStore
+    tenants: TenantDirectory
+    door: Door
+    metrics: CollectorRegistry
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Services:
+        client = redis_client(settings)
+        publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
+                                     settings.persistent_requests)
+        keys = KeyStore.from_settings(settings)
+        return cls(settings=settings,
+                   gateway=Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex),
+                   keys=keys,
+                   tenants=TenantDirectory(keys, ttl_s=settings.auth_cache_s),
+                   door=Door.from_settings(settings),
+                   metrics=metrics_registry(settings, client, publisher))
+
+
+def services(app: Flask | None = None) -> Services:
+    """The services of ``app``, by default the app handling the current request."""
+    found = (current_app if app is None else app).extensions[EXTENSION]
+    assert isinstance(found, Services), "create_app installs the services"
+    return found
+
+
+def metrics_registry(settings: Settings, client: redis.Redis, publisher: RequestPublisher) -> CollectorRegistry:
+    """This process's view of every API process (multiprocess mode) plus the system-wide figures."""
+    registry = CollectorRegistry()
+    if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        multiprocess.MultiProcessCollector(registry)
+    else:  # a single process (tests, the Flask dev server): its own counters are the whole story
+        registry.register(HTTP_REQUESTS)
+        registry.register(REQUEST_LATENCY)
+
+    def depth() -> int | None:
+        try:
+            return publisher.queue_depth()
+        except Exception:  # RabbitMQ away: leave the gauge out of this scrape
+            return None
+
+    registry.register(SystemCollector(settings, client, depth))
+    return registry
