@@ -6,7 +6,6 @@ import os
 import uuid
 from dataclasses import dataclass
 
-import redis
 from flask import Flask, current_app
 from prometheus_client import CollectorRegistry, multiprocess
 
@@ -38,12 +37,13 @@ class Services:
         publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
                                      settings.persistent_requests)
         keys = KeyStore.from_settings(settings)
+        gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
         return cls(settings=settings,
-                   gateway=Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex),
+                   gateway=gateway,
                    keys=keys,
                    tenants=TenantDirectory(keys, ttl_s=settings.auth_cache_s),
                    door=Door.from_settings(settings),
-                   metrics=metrics_registry(settings, client, publisher))
+                   metrics=metrics_registry(settings, gateway, publisher))
 
 
 def services(app: Flask | None = None) -> Services:
@@ -53,7 +53,7 @@ def services(app: Flask | None = None) -> Services:
     return found
 
 
-def metrics_registry(settings: Settings, client: redis.Redis, publisher: RequestPublisher) -> CollectorRegistry:
+def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPublisher) -> CollectorRegistry:
     """This process's view of every API process (multiprocess mode) plus the system-wide figures."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -68,5 +68,5 @@ def metrics_registry(settings: Settings, client: redis.Redis, publisher: Request
         except Exception:  # RabbitMQ away: leave the gauge out of this scrape
             return None
 
-    registry.register(SystemCollector(settings, client, depth))
+    registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth))
     return registry

@@ -85,14 +85,15 @@ class Stats:
 class SystemCollector(Collector):
     """System-wide figures, read at scrape time."""
 
-    def __init__(self, settings: Settings, client: redis.Redis, queue_depth: Callable[[], int | None]) -> None:
+    def __init__(self, settings: Settings, fleet: Fleet, admission: Admission,
+                 queue_depth: Callable[[], int | None]) -> None:
+        """``fleet`` and ``admission``: the API process's own (its gateway's), read at scrape time."""
         self.settings = settings
-        self.client = client
         self.queue_depth = queue_depth
-        self.stats = Stats.from_settings(settings, client)
-        self.fleet = Fleet.from_settings(settings, client)
-        self.admission = Admission.from_settings(settings, client)
-        self.quarantine = Quarantine.from_settings(settings, client)
+        self.fleet = fleet
+        self.admission = admission
+        self.stats = Stats.from_settings(settings, admission.client)
+        self.quarantine = Quarantine.from_settings(settings, admission.client)
 
     def collect(self) -> Iterator[Metric]:
         s, now = self.settings, time.time()
