@@ -35,8 +35,12 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 1, tenant: str | None = None,
         poison_every: int = 0, poison_marker: str = "", concurrency: int = 10_000, key: str | None = None,
-        priority: str | None = None) -> dict[str, Any]:
-    """Offer ``rate`` requests/s for ``duration`` s; returns a summary and one record per request."""
+        priority: str | None = None, client_timeout_ms: int | None = None) -> dict[str, Any]:
+    """Offer ``rate`` requests/s for ``duration`` s; returns a summary and one record per request.
+
+    ``timeout_ms`` is the deadline sent to the server; the client gives up at ``client_timeout_ms`` (default: the
+    server's deadline + 30 s), and an answer after that counts as a client time-out."""
+    client_s = (client_timeout_ms if client_timeout_ms is not None else timeout_ms + 30_000) / 1000
     target = urlparse(url)
     rng = random.Random(seed)
     records: list[dict[str, Any]] = []
@@ -57,7 +61,7 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
         record: dict[str, Any] = {"i": i, "t": round(sent_at, 4), "wall": round(time.time(), 4)}
         started = time.monotonic()
         try:
-            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=timeout_ms / 1000 + 30)
+            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=client_s)
             conn.request("POST", "/v1/infer", body, headers)
             resp = conn.getresponse()
             data = resp.read()
@@ -65,8 +69,8 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
             record["status"] = resp.status
             if resp.status == 200:
                 record["batch"] = json.loads(data)["batch"]["size"]
-        except OSError as exc:
-            record["status"] = type(exc).__name__
+        except OSError as exc:  # socket.timeout is an OSError: the client's own deadline passed
+            record["status"] = "client_timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
         record["ms"] = round((time.monotonic() - started) * 1000, 2)
         records.append(record)
 
@@ -81,11 +85,15 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
         sent += 1
         next_at += rng.expovariate(rate)
     pool.join()
-    return {"summary": summarize(records, rate, duration, timeout_ms, lags), "records": records}
+    return {"summary": summarize(records, rate, duration, timeout_ms, lags, client_s * 1000), "records": records}
 
 
 def summarize(records: list[dict[str, Any]], rate: float, duration: float, timeout_ms: int,
-              lags: list[float]) -> dict[str, Any]:
+              lags: list[float], client_timeout_ms: float | None = None) -> dict[str, Any]:
+    limit = client_timeout_ms if client_timeout_ms is not None else float("inf")
+    for r in records:  # a 200 the client received after it had given up is no answer to it
+        if r["status"] == 200 and r["ms"] > limit:
+            r["status"] = "client_timeout"
     statuses = collections.Counter(str(r["status"]) for r in records)
     ok = [r["ms"] for r in records if r["status"] == 200]
     refused = [r["ms"] for r in records if r["status"] == 429]
@@ -111,6 +119,8 @@ def main() -> None:
     ap.add_argument("--rate", type=float, required=True, help="offered requests per second")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
     ap.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline sent to the server")
+    ap.add_argument("--client-timeout-ms", type=int, default=None,
+                    help="the client gives up after this long (default: the server deadline + 30 s)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--tenant", default=None, help="X-Tenant header (when the server runs without keys)")
     ap.add_argument("--key", default=None, help="API key, sent as Authorization: Bearer")
@@ -121,7 +131,7 @@ def main() -> None:
     args = ap.parse_args()
     result = run(args.url, args.rate, args.duration, args.timeout_ms, seed=args.seed, tenant=args.tenant,
                  poison_every=args.poison_every, poison_marker=args.poison_marker, key=args.key,
-                 priority=args.priority)
+                 priority=args.priority, client_timeout_ms=args.client_timeout_ms)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)

@@ -47,6 +47,26 @@ def draw(report: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "goodput_vs_load.png", dpi=110)
     plt.close(fig)
 
+    split = [s for s in system if s.get("cpu_ms_per_request_by_process")]
+    if split:
+        roles = sorted({r for s in split for r in s["cpu_ms_per_request_by_process"]})
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        bottom = [0.0] * len(split)
+        labels = [f"{s['offered_pct']:g}%" for s in split]
+        for role in roles:
+            values = [s["cpu_ms_per_request_by_process"].get(role, 0.0) for s in split]
+            ax.bar(labels, values, bottom=bottom, label=role)
+            bottom = [b + v for b, v in zip(bottom, values)]
+        ref = [s["cpu_ms_per_request"] for s in reference]
+        if ref:
+            ax.axhline(min(ref), color="black", linestyle="--", linewidth=1, label="in-process reference (best)")
+        ax.set(xlabel="offered load (% of capacity)", ylabel="CPU ms per request",
+               title="CPU per request, by process")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "cpu_by_process.png", dpi=110)
+        plt.close(fig)
+
     saturated = next((s for s in reversed(system) if s.get("batch_size_buckets")), None)
     if saturated:
         buckets = sorted(saturated["batch_size_buckets"].items(),

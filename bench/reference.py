@@ -54,7 +54,8 @@ class ReferenceBatcher:
         """One simulated accelerator: takes the next ready batch whenever it is free (work-conserving)."""
         while True:
             now = time.monotonic()
-            self.buffer.drop_expired(now)
+            # as the real batcher does: work that cannot finish before its caller's deadline is not run
+            self.buffer.drop_expired(now + self.batch_s)
             if self.buffer.is_ready(now):
                 batch = [p.item for p in self.buffer.take()]
                 gevent.sleep(self.batch_s)

@@ -172,7 +172,7 @@ DOCS: dict[str, str] = {
     "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",
     "max_timeout_ms": "Largest timeout_ms a caller may ask for.",
-    "retry_after_s": "Retry-After sent with 429.",
+    "retry_after_s": "Smallest Retry-After (s) sent with 429; a refusal for room says when the work ahead will have drained at the measured rate.",
     "result_ttl_s": "How long a result key lives in Redis.",
     "result_recheck_ms": "A waiting request re-reads its keys this often even without a wake-up (a safety net: wake-ups lost to a Redis reconnect are re-read at once).",
     "redis_pool_size": "Redis connections per API process (shared by all waiting requests).",

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tasks.policy.capacity import deadline_cap, recommended_workers
+from tasks.policy.capacity import deadline_cap, recommended_workers, retry_after_s
 from tasks.schema import WorkerInfo
 from tasks.state.admission import Admission, Ticket, Verdict
 from tests.stack import REDIS_URL, wait_for
@@ -47,6 +47,37 @@ def test_recommended_workers_follow_arrival_rate_batch_time_and_headroom() -> No
     assert recommended_workers(1000.0, [w(250.0), w(250.0)], 1.25) == 4  # 1000/s x 0.25 s / 100 x 1.25
 
 
+def test_retry_after_is_the_time_the_work_ahead_takes_to_drain() -> None:
+    def w(batch_ms: float) -> WorkerInfo:
+        return WorkerInfo(id="w", queue="q", model="sim", max_batch=100, state="idle", outstanding=0, completed=0,
+                          batch_started_at=None, batch_ms_estimate=batch_ms, heartbeat_at=0.0)
+
+    assert retry_after_s(1800, []) == 1  # nothing measured: the floor
+    assert retry_after_s(1800, [w(250.0)]) == 5  # 1,800 ahead at 400/s: 4.5 s, rounded up
+    assert retry_after_s(1800, [w(250.0), w(250.0)]) == 3  # twice the devices, half the wait
+    assert retry_after_s(10, [w(250.0)], floor_s=2) == 2  # never below the configured floor
+    assert retry_after_s(10**6, [w(250.0)]) == 60  # nor above a minute
+
+
+def test_a_refusal_for_room_says_how_much_is_ahead() -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    ns = f"adm{uuid.uuid4().hex[:8]}"
+    adm = Admission(client, f"{ns}:inflight", 1000, f"{ns}:quarantine", instance="api-1")
+
+    def admit(n: int, ticket: Ticket, **caps: int) -> tuple[Verdict, int]:
+        ids = [uuid.uuid4().hex for _ in range(n)]
+        decision = adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, **caps)
+        return decision.verdict, decision.ahead
+
+    try:
+        assert admit(7, Ticket("a", "sim"), model_cap=10, tenant_cap=100) == (Verdict.OK, 0)
+        assert admit(4, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (Verdict.FULL, 7)  # the model's set
+        assert admit(1, Ticket("a", "sim"), model_cap=100, tenant_cap=7) == (Verdict.TENANT_FULL, 7)  # the tenant's
+    finally:
+        for key in client.scan_iter(f"{ns}:*"):
+            client.delete(key)
+
+
 def test_admission_caps_against_the_real_redis() -> None:
     """The Lua script: tenant cap, model cap per priority, release from every set, purge of expired items."""
     import time
@@ -66,7 +97,7 @@ def test_admission_caps_against_the_real_redis() -> None:
     def admit(ticket: Ticket, n: int, *, model_cap: int = 10, tenant_cap: int = 100, timeout_s: float = 30
               ) -> tuple[Verdict, list[str]]:
         ids = [uuid.uuid4().hex for _ in range(n)]
-        verdict, _ = adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=timeout_s,
+        verdict, *_ = adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=timeout_s,
                                    model_cap=model_cap, tenant_cap=tenant_cap)
         return verdict, ids
 

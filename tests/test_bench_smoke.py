@@ -37,7 +37,7 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> 
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     config = report["config"]
-    assert report["capacity_rps"] == 200
+    assert report["capacity_rps"] == 400  # the headline scenario: one worker, 100 per 250 ms
     assert report["capacity_rps"] == config["workers"] * config["max_batch"] / (config["batch_ms"] / 1000)
     scenarios = report["scenarios"]
     for name in ("reference-10%", "system-10%", "system-90%"):

@@ -9,13 +9,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import redis
 import requests
 
 from tests.helpers import assert_json_error, expected, post, post_many
-from tests.stack import REDIS_URL, Stack, wait_for
+from tests.stack import BIN, REDIS_URL, Stack, wait_for
 
 BATCH_S = 0.250  # the sim backend's default batch time
 MAX_WAIT_S = 0.020
@@ -254,3 +255,23 @@ def test_flower_lists_the_running_gpu_workers(stack: Stack) -> None:
 
     wait_for(lambda: {"gpu0@test", "gpu1@test"} <= workers(), 60, "Flower to list both GPU workers")
     assert requests.get(flower + "/api/workers", timeout=10).status_code == 401, "no API without credentials"
+
+
+def test_two_batchers_started_with_their_defaults_on_one_host_both_serve(tmp_path: Path) -> None:
+    """No --hostname: each takes a node name of its own (two of one name would collide on Celery's control
+    queue and the second would die at start)."""
+    s = Stack(tmp_path)
+    try:
+        s.start_worker(0)
+        for name in ("batcher-a", "batcher-b"):
+            s._spawn(name, [str(BIN / "llmb-batcher")])
+        url = s.start_web(workers=1)
+        s.wait_ready(workers=1)
+        wait_for(lambda: s.request_queue_consumers() == 2, 30, "both batchers consuming the request queue")
+        texts = [f"two batchers {i}" for i in range(40)]
+        answers = post_many(url, [{"input": t} for t in texts])
+        assert [r.status_code for r in answers] == [200] * len(texts)
+        assert [r.json()["output"] for r in answers] == [expected(t) for t in texts]
+        assert all(s.procs[n].poll() is None for n in ("batcher-a", "batcher-b"))
+    finally:
+        s.close()

@@ -84,7 +84,7 @@ def redis_restarts(quarantine: Quarantine) -> None:
 def refused_at_the_door(client: redis.Redis, ns: str, digest: str) -> bool:
     admission = Admission(client, f"{ns}:inflight", 100, f"{ns}:quarantine")
     item = uuid.uuid4().hex
-    verdict, _ = admission.try_admit([item], [digest], ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30)
+    verdict, *_ = admission.try_admit([item], [digest], ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30)
     if verdict is Verdict.OK:
         admission.release(Ticket("t", "sim"), [item])
     return verdict is Verdict.QUARANTINED

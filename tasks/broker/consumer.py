@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import socket
 import time
 import uuid
@@ -188,10 +189,12 @@ class BatchingStep(bootsteps.ConsumerStep):
 
 
 @click.command()
-@click.option("--hostname", default=f"batcher@{socket.gethostname()}", show_default=True,
-              help="Celery node name of this batcher.")
-def main(hostname: str) -> None:
+@click.option("--hostname", default=None, show_default="batcher-<pid>@<host>",
+              help="Celery node name of this batcher: unique on its broker (two batchers of one name collide on "
+                   "Celery's control queue), so the default holds the process id.")
+def main(hostname: str | None) -> None:
     """Run the batcher: consume requests, form batches, route them to GPU workers."""
+    hostname = hostname or f"batcher-{os.getpid()}@{socket.gethostname()}"
     settings = Settings.from_env()
     setup_logging(settings)
     app = make_celery(settings)

@@ -31,7 +31,7 @@ from tasks.errors import (
     TenantOverLimit,
     Unavailable,
 )
-from tasks.policy.capacity import deadline_cap
+from tasks.policy.capacity import deadline_cap, retry_after_s
 from tasks.schema import InferenceRequest, Item, ItemResult, Priority, WorkerInfo, input_hash
 from tasks.state.admission import Admission, Ticket, Verdict
 from tasks.state.fleet import Fleet, FleetCache
@@ -141,6 +141,11 @@ class Gateway:
         workers = [w for w in self.live_workers() if w.model == model]
         return deadline_cap(workers, timeout_s, self.settings.admission_cap)
 
+    def _retry_after(self, model: str, ahead: int) -> int:
+        """When to come back: the items ahead, drained at the model's measured rate (never below the floor)."""
+        workers = [w for w in self.workers.last if w.model == model]
+        return retry_after_s(ahead, workers, floor_s=self.settings.retry_after_s)
+
     def _reader(self, ticket: Ticket) -> Callable[[Sequence[str]], list[bytes | None]]:
         """Reads a call's results and releases the admission of those that have one, in one round trip."""
         return lambda ids: self.admission.collect(ticket, ids, [self.result_key(i) for i in ids])
@@ -229,7 +234,7 @@ class Gateway:
         ticket = Ticket(call.tenant, call.model, call.priority)
         try:
             self._keep_lease()
-            verdict, bad_hash = self.admission.try_admit(
+            verdict, bad_hash, ahead = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
                 model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap)
         except PoolExhausted as exc:
@@ -244,11 +249,11 @@ class Gateway:
             cap = call.tenant_cap or self.settings.admission_cap
             raise TenantOverLimit(
                 f"tenant {call.tenant!r} is at its cap of {cap} items in flight; retry when some are answered "
-                "(other tenants are not affected)", retry_after_s=self.settings.retry_after_s)
+                "(other tenants are not affected)", retry_after_s=self._retry_after(call.model, ahead))
         if verdict is Verdict.FULL:
             raise QueueFull(
                 "the service is full: no room to answer this request within its deadline; retry later",
-                retry_after_s=self.settings.retry_after_s,
+                retry_after_s=self._retry_after(call.model, ahead),
             )
         try:  # after admission, so that a quarantined input is refused as such even while no worker is up
             models = self.live_models()

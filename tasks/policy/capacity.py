@@ -4,6 +4,8 @@ Both come from the live workers' own measurements (batch size over the moving av
 
 - :func:`deadline_cap` is how many items may be in flight for a new request still to be answered in time,
   so overload is refused at once rather than left to time out;
+- :func:`retry_after_s` is when a refused caller should come back: once the work ahead of it has drained at
+  the fleet's measured rate;
 - :func:`recommended_workers` is the steady-state worker count for a model's arrival rate, the autoscaling
   signal beside the age of the oldest waiting request (``llmb_recommended_workers`` on /metrics).
 """
@@ -48,3 +50,14 @@ def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headro
         return 0
     per_worker = throughput(timed) / len(timed)  # items/s
     return max(1, math.ceil(rate_per_s / per_worker * headroom))
+
+
+def retry_after_s(ahead: int, workers: Sequence[WorkerInfo], *, floor_s: int = 1, ceiling_s: int = 60) -> int:
+    """Seconds a caller refused for room should wait: the ``ahead`` items admitted before it, drained at the
+    workers' measured throughput, rounded up (whole seconds: HTTP's Retry-After), between ``floor_s`` and
+    ``ceiling_s``. The floor alone while nothing has been measured."""
+    rate = throughput(workers)
+    if rate <= 0:
+        return floor_s
+    return int(min(ceiling_s, max(floor_s, math.ceil(ahead / rate))))
+

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, NamedTuple
 
 import redis
 
@@ -66,6 +66,7 @@ end
 #       (deadline), 9 global offline (deadline), 10 this process's owner hash, 11 leases
 # ARGV: 1 interactive cap, 2 model cap, 3 tenant cap, 4 timeout (s), 5 n, 6 priority, 7 offline cap,
 #       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), item ids..., hashes...
+# Returns 'ok', 'quarantined:<hash>', or 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set.
 # An interactive call counts only the interactive items ahead of it (they go first in every batch); an
 # offline call counts both classes at its model, and only offline items against the global caps.
 _ADMIT = _PURGE + """
@@ -79,18 +80,20 @@ purge(KEYS[4], '')
 purge(KEYS[5], KEYS[6])
 purge(KEYS[8], '')
 purge(KEYS[9], '')
-if redis.call('ZCARD', KEYS[4]) + n > tonumber(ARGV[3]) then return 'tenant_full' end
+local tenant_ahead = redis.call('ZCARD', KEYS[4])
+if tenant_ahead + n > tonumber(ARGV[3]) then return 'tenant_full:' .. tenant_ahead end
 redis.call('INCRBY', KEYS[7], n)  -- demand within tenant caps, admitted or not: what autoscaling must cover
 redis.call('EXPIRE', KEYS[7], 60)
 local offline = ARGV[6] == 'offline'
 local ahead = redis.call('ZCARD', KEYS[5])
 if offline then ahead = ahead + redis.call('ZCARD', KEYS[8]) end
-if ahead + n > tonumber(ARGV[2]) then return 'full' end
+if ahead + n > tonumber(ARGV[2]) then return 'full:' .. ahead end
 local offline_total = redis.call('ZCARD', KEYS[9])
 if offline then
-  if offline_total + n > tonumber(ARGV[7]) then return 'full' end
-elseif redis.call('ZCARD', KEYS[1]) - offline_total + n > tonumber(ARGV[1]) then
-  return 'full'
+  if offline_total + n > tonumber(ARGV[7]) then return 'full:' .. offline_total end
+else
+  local interactive_total = redis.call('ZCARD', KEYS[1]) - offline_total
+  if interactive_total + n > tonumber(ARGV[1]) then return 'full:' .. interactive_total end
 end
 local deadline = now + tonumber(ARGV[4])
 redis.call('ZADD', KEYS[11], now + tonumber(ARGV[10]), ARGV[9])
@@ -167,6 +170,15 @@ class Verdict(StrEnum):
     QUARANTINED = "quarantined"
 
 
+class Decision(NamedTuple):
+    """An admission's verdict; when quarantined, the offending input's hash; when refused for room, how many
+    items were ahead in the set that was full (what must drain first: the Retry-After)."""
+
+    verdict: Verdict
+    bad_hash: str | None = None
+    ahead: int = 0
+
+
 @dataclass(frozen=True)
 class Ticket:
     """Where a call's items were admitted: the sets to release them from."""
@@ -222,10 +234,9 @@ class Admission:
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
                   timeout_s: float, model_cap: int | None = None, tenant_cap: int | None = None
-                  ) -> tuple[Verdict, str | None]:
+                  ) -> Decision:
         """Admit all items or none, each until Redis's clock passes now + ``timeout_s`` (``now``, this host's
-        clock, only names the arrival-rate bucket). Returns the verdict and, when quarantined, the offending
-        input hash."""
+        clock, only names the arrival-rate bucket)."""
         model = self.model_key(ticket.model)
         keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
                 model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline", self.offline_key,
@@ -236,9 +247,10 @@ class Admission:
                                            len(item_ids), ticket.priority, self.offline_cap, entry, self.instance,
                                            self.lease_s, *item_ids, *hashes])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
-        if text.startswith("quarantined:"):
-            return Verdict.QUARANTINED, text.split(":", 1)[1]
-        return Verdict(text), None
+        verdict, _, detail = text.partition(":")
+        if verdict == Verdict.QUARANTINED:
+            return Decision(Verdict.QUARANTINED, bad_hash=detail)
+        return Decision(Verdict(verdict), ahead=int(detail or 0))
 
     def collect(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
         """Read these items' result keys; items that have a result stop counting against the caps."""
