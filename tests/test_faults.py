@@ -241,6 +241,26 @@ def test_the_batcher_killed_or_stopped_and_restarted_loses_nothing(steady: Stead
     released(stack)
 
 
+def test_the_active_batcher_killed_its_standby_takes_over_without_a_restart(steady: Steady, stack: Stack) -> None:
+    """Two batchers: RabbitMQ delivers to one (single active consumer); SIGKILL it and the standby gets its
+    unacknowledged requests and every new one, with nothing restarted."""
+    stack.start_batcher("standby")
+    wait_for(lambda: stack.request_queue_consumers() == 2, 30, "the standby batcher consuming")
+    load = steady(stack.url, timeout_ms=TIMEOUT_MS, prefix="failover")
+    warm(load)
+    killed_at = time.monotonic()
+    stack.kill("batcher", signal.SIGKILL)
+    carry_on(load, 3.0)
+    report = load.stop()
+    show(f"active batcher SIGKILL, standby took over ({time.monotonic() - killed_at:.1f} s)", report)
+    report.assert_sound()
+    resumed(stack)
+    released(stack)
+    assert stack.procs["standby"].poll() is None
+    stack.kill("standby", signal.SIGTERM)
+    stack.start_batcher()  # the shared stack as the next test expects it
+
+
 # -- GPU workers ---------------------------------------------------------------------------------------
 def test_sigkill_of_a_whole_worker_host_loses_nothing(steady: Steady, stack: Stack) -> None:
     """The supervisor and its worker killed at once, mid-batch, like a lost host."""

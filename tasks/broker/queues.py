@@ -34,13 +34,19 @@ class PublisherBusy(Exception):
     overloaded, not the broker down)."""
 
 
+# One batcher consumes at a time; the others are hot standbys that RabbitMQ switches to the moment the active
+# one's connection closes (its unacknowledged requests go to the next, in order). So however many batchers run,
+# one sees every request: tenant fairness, priority and the per-worker batch limit hold as with one.
+SINGLE_ACTIVE = {"x-single-active-consumer": True}
+
+
 def request_queue(name: str) -> Queue:
     """Declared identically by publishers and the batcher (a mismatch would make RabbitMQ refuse one)."""
-    return Queue(name, durable=True, routing_key=name)
+    return Queue(name, durable=True, routing_key=name, queue_arguments=SINGLE_ACTIVE)
 
 
 def recovery_queue(name: str) -> Queue:
-    return Queue(name, durable=True, routing_key=name)
+    return Queue(name, durable=True, routing_key=name, queue_arguments=SINGLE_ACTIVE)
 
 
 class RequestPublisher:
