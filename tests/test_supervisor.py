@@ -38,9 +38,9 @@ def test_a_crashing_child_is_restarted(tmp_path: Path) -> None:
 def test_sigterm_to_the_supervisor_stops_the_child_for_good_even_when_it_exits_0(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     # the child takes SIGTERM before it counts its run, so a run counted is a child ready for the signal; then it
-    # stands for a worker busy for a long time (the sleep is the child's work, not a wait of the test)
-    child = ("import signal, sys, time; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); " + COUNT_RUNS
-             + "; time.sleep(60)")
+    # stands for a worker busy until it is told to stop
+    child = ("import signal, sys; signal.signal(signal.SIGTERM, lambda *_: sys.exit(0)); " + COUNT_RUNS
+             + "; signal.pause()")
     proc = supervisor(child, runs)
     wait_for(lambda: runs.exists(), 20, "the child to start and take SIGTERM")
     proc.send_signal(signal.SIGTERM)
