@@ -48,7 +48,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     from gpu_worker.backends import load_backend
     from gpu_worker.cancellations import Cancellations
-    from gpu_worker.drain import empty_queue
+    from gpu_worker.drain import empty_queue, hear_sigterm_once
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
@@ -96,6 +96,10 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     app.steps["worker"].add(HeartbeatStep)
 
     # A graceful stop hands back everything this worker holds before it leaves the fleet (gpu_worker.drain).
+    @signals.worker_ready.connect
+    def _sigterm_once(**_: object) -> None:  # Celery's handlers are installed by now
+        hear_sigterm_once()
+
     @signals.worker_shutting_down.connect
     def _begin_drain(**_: object) -> None:
         runner.drain()

@@ -10,6 +10,11 @@ The order matters, and it is Celery's own warm shutdown with two changes:
 3. once the pool is done, whatever is still in the worker's queue is handed back too (:func:`empty_queue`),
    and only then does the worker leave the fleet view.
 
+A stop often arrives twice: ``docker stop`` or systemd signal the whole process group, and the supervisor
+forwards its own SIGTERM too. Celery's handler is not reentrant (it takes a lock inside ``signals.send``), so
+a second SIGTERM landing inside the first would deadlock the worker; :func:`hear_sigterm_once` ignores every
+SIGTERM after the first, as Celery's warm shutdown means to.
+
 Batches a batcher sends after step 3 are taken back by that batcher from its own memory when it sees the
 worker gone (:mod:`tasks.broker.recovery`). Nothing is lost at any step, and nobody is blamed: handed-back batches
 go again whole, charged no retry.
@@ -17,7 +22,9 @@ go again whole, charged no retry.
 from __future__ import annotations
 
 import logging
+import signal
 from collections.abc import Callable
+from types import FrameType
 
 from celery.concurrency.base import BasePool
 from celery.concurrency.thread import TaskPool
@@ -53,3 +60,16 @@ def empty_queue(broker_url: str, queue: str, hand_back: HandBack, worker_id: str
                 count += 1
             channel.basic_ack(message.delivery_tag)
     return count
+
+
+def hear_sigterm_once() -> None:
+    """Wrap the SIGTERM handler Celery installed so that only the first SIGTERM reaches it (main thread only)."""
+    celery_handler = signal.getsignal(signal.SIGTERM)
+    if not callable(celery_handler):
+        return
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # first, before anything that could take a lock
+        celery_handler(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)

@@ -1,11 +1,14 @@
-"""The GPU worker's supervisor with tiny child commands: what it restarts, and what stops it (no Celery needed)."""
+"""The GPU worker's supervisor with tiny child commands: what it restarts, and what stops it (no Celery needed),
+and the worker's own SIGTERM guard."""
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+from gpu_worker.drain import hear_sigterm_once
 from tests.stack import ROOT, wait_for
 
 COUNT_RUNS = "import pathlib, sys; runs = pathlib.Path(sys.argv[1]); n = len(runs.read_text()) + 1 if runs.exists() " \
@@ -46,3 +49,17 @@ def test_sigterm_to_the_supervisor_stops_the_child_for_good_even_when_it_exits_0
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=20) == 0, "the child's graceful exit code"
     assert len(runs.read_text()) == 1, "not restarted"
+
+
+def test_a_worker_hears_only_the_first_sigterm() -> None:
+    """A process-group stop delivers SIGTERM twice; Celery's handler must run once (it is not reentrant)."""
+    heard: list[int] = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: heard.append(signum))
+    try:
+        hear_sigterm_once()
+        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert heard == [signal.SIGTERM]
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)
