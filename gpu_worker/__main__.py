@@ -43,7 +43,6 @@ def main(device: int, backend: str, model: str | None, host: str, queue: str | N
 
 
 def run_worker(device: int, backend: str, model: str | None, host: str, queue: str | None) -> None:
-    import redis
     from celery import signals
 
     from gpu_worker.backends import load_backend
@@ -53,9 +52,12 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.runner import BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
     from tasks.broker.celery_app import make_celery, register_run_batch
+    from tasks.broker.queues import recovery_queue
     from tasks.config import Settings
     from tasks.logs import setup_logging
     from tasks.state.claims import Claims
+    from tasks.state.clock import SharedClock
+    from tasks.state.connect import redis_client
     from tasks.state.fleet import Fleet
     from tasks.state.keys import Keys
     from tasks.state.metrics import Stats
@@ -72,9 +74,9 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     queue = queue or settings.gpu_queue(host, device)
     worker_id = f"gpu{device}@{host}"
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+    client = redis_client(settings, socket_timeout=5, socket_connect_timeout=2)
     app = make_celery(settings)
-    state = WorkerState()
+    state = WorkerState(clock=SharedClock.from_settings(settings, client))
     stats = Stats.from_settings(settings, client)
     ledger = LedgerWriter.from_settings(settings, on_drop=lambda n: stats.add("ledger_dropped", n))
     runner = BatchRunner(
@@ -83,7 +85,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         worker_id, state,
         announce=Announcer(settings.broker_url, settings.namespace),
         claims=Claims.from_settings(settings, client),
-        give_back=GiveBack(app, settings.recovery_queue, worker_id),
+        give_back=GiveBack(app, recovery_queue(settings.recovery_queue, settings.queue_type), worker_id),
         record=ledger.record,
         observe=stats.observe_batch,
         cancelled=Cancellations(client, Keys.from_settings(settings).cancel),

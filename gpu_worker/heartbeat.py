@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from celery import Celery, bootsteps
 from celery.worker import state as celery_state
-from kombu import Connection
+from kombu import Connection, Queue
 
 from gpu_worker.runner import WorkerState
-from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue
+from tasks.broker.queues import RETRY_POLICY, fleet_exchange
 from tasks.config import Settings
 from tasks.schema import DRAINING, Batch, BatchEvent, Failure, WorkerInfo
 from tasks.state.fleet import Fleet
@@ -91,7 +90,7 @@ class WorkerRuntime:
             self._wake.clear()
 
     def info(self) -> WorkerInfo:
-        now = time.time()
+        now = self.state.clock()
         tokens_per_s, utilisation = self.state.rates(now)
         started = self.state.batch_started_at
         return WorkerInfo(
@@ -133,9 +132,9 @@ class Announcer:
 class GiveBack:
     """Hands a batch this worker cannot finish back to the batchers, durably (before its task is acked)."""
 
-    def __init__(self, app: Celery, queue_name: str, worker_id: str) -> None:
+    def __init__(self, app: Celery, queue: Queue, worker_id: str) -> None:
         self.app = app
-        self.queue = recovery_queue(queue_name)
+        self.queue = queue  # the recovery queue (tasks.broker.queues.recovery_queue)
         self.worker_id = worker_id
 
     def __call__(self, batch: Batch, failure: Failure, error: str, blame: str) -> None:

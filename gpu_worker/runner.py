@@ -35,9 +35,13 @@ REDIS_RETRY_S = (0.1, 0.2, 0.5, 1.0)  # pauses between attempts while Redis is u
 
 
 class WorkerState:
-    """What the heartbeat reports about this worker; updated by the runner, read by the heartbeat thread."""
+    """What the heartbeat reports about this worker; updated by the runner, read by the heartbeat thread.
+    ``clock`` is the fleet's shared wall clock (:class:`tasks.state.clock.SharedClock`): every time this worker
+    compares with another host's (a caller's deadline) or reports (its heartbeat) is on it."""
 
-    def __init__(self, ema_alpha: float = 0.2, window_s: float = 60.0) -> None:
+    def __init__(self, ema_alpha: float = 0.2, window_s: float = 60.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
         self._lock = threading.Lock()
         self.alpha = ema_alpha
         self.batch_started_at: float | None = None
@@ -45,7 +49,7 @@ class WorkerState:
         self.completed = 0
         self.window_s = window_s
         self._recent: deque[tuple[float, float, int]] = deque()  # (finished at, run seconds, tokens)
-        self._since = time.time()
+        self._since = clock()
 
     def started(self, at: float) -> None:
         with self._lock:
@@ -155,7 +159,7 @@ class BatchRunner:
 
     def _execute(self, batch: Batch, summary: dict[str, Any]) -> dict[str, Any]:
         # Items whose caller will be gone before this batch can finish are not worth running.
-        horizon = time.time() + self.state.batch_ms_estimate / 1000
+        horizon = self.state.clock() + self.state.batch_ms_estimate / 1000
         live = tuple(i for i in batch.items if i.deadline > horizon)
         expired = [i for i in batch.items if i.deadline <= horizon]
         if expired:
@@ -166,7 +170,7 @@ class BatchRunner:
             self._until_settled(batch, lambda: self.writer.mark_done(self.claims.key(batch.id)))
             return summary
 
-        started_at = time.time()
+        started_at = self.state.clock()
         t0 = time.monotonic()
         self.state.started(started_at)
         self.announce(BatchEvent(self.worker_id, batch.id, "started"))
@@ -182,7 +186,7 @@ class BatchRunner:
                         extra={"batch_id": batch.id})
             ran = batch.with_items(live)
             self._hand_back(ran, Failure.RAISED, error)
-            self.record(BatchOutcome(ran, "raised", "retrying", self.worker_id, error, started_at, time.time(),
+            self.record(BatchOutcome(ran, "raised", "retrying", self.worker_id, error, started_at, self.state.clock(),
                                      round(run_ms, 3)))
             return {**summary, "given_back": "raised", "run_ms": None}
 
@@ -194,7 +198,7 @@ class BatchRunner:
                    else ItemResult(output=o, **common) for o in outputs]
         tokens = sum(int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
                      for o in outputs if isinstance(o, dict))
-        self.state.add_work(run_ms / 1000, tokens, time.time())
+        self.state.add_work(run_ms / 1000, tokens, self.state.clock())
         def write() -> bool:
             self.writer.write(list(zip(live, results)), done_key=self.claims.key(batch.id),
                               extra=lambda pipe: self.observe(pipe, len(live), run_ms / 1000, tokens))
@@ -206,8 +210,8 @@ class BatchRunner:
         if rejected:  # recorded first: the batch's "ok" below does not override a final status
             self.record(ItemsOutcome(batch.model, rejected, "rejected", "the model could not take this input",
                                      batch.id))
-        self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at, time.time(),
-                                 round(run_ms, 3)))
+        self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at,
+                                 self.state.clock(), round(run_ms, 3)))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
                  extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
         return {**summary, "run_ms": round(run_ms, 1)}
@@ -251,7 +255,7 @@ class BatchRunner:
             try:
                 return call()
             except redis.RedisError as exc:
-                if time.time() > last:
+                if self.state.clock() > last:
                     log.error("batch %s: Redis unreachable until every caller's deadline passed (%s); dropping it",
                               batch.id, exc, extra={"batch_id": batch.id})
                     self.record(ItemsOutcome(batch.model, list(batch.items), "expired",

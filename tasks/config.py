@@ -18,6 +18,8 @@ class Settings:
     broker_url: str = "amqp://guest:guest@127.0.0.1:5672//"
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "llmb"
+    queue_type: str = "classic"
+    broker_heartbeat_s: float = 2.0
     database_url: str = "sqlite:///var/llmb.db"
     default_model: str = "sim"
     served_name: str = ""
@@ -85,6 +87,7 @@ class Settings:
 
     log_level: str = "INFO"
     log_json: bool = False
+    clock_skew_s: float = 0.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None,
@@ -134,7 +137,9 @@ def documented_settings() -> list[tuple[str, object, str]]:
 
 DOCS: dict[str, str] = {
     "broker_url": "RabbitMQ URL (kombu syntax).",
-    "redis_url": "Redis URL for results, heartbeats and counters.",
+    "redis_url": "Redis URL for results, heartbeats and counters: `redis://`, `rediss://`, `unix://`, or `redis+sentinel://[[user]:[password]@]host[:port][,host[:port]...]/<service>[/<db>][?sentinel_password=...]` for the master that those Sentinels (port 26379 by default) name `<service>`, followed across failovers.",
+    "queue_type": "RabbitMQ type of the request, recovery and GPU worker queues: 'classic' or 'quorum' (replicated across a RabbitMQ cluster; what production runs). An existing queue keeps its type: delete it (when empty) to switch.",
+    "broker_heartbeat_s": "AMQP heartbeat of batchers and GPU workers: RabbitMQ closes the connection of a host it has not heard from for about this long, so a cut-off batcher's requests go to a standby and a cut-off worker's batches come back (0: off).",
     "namespace": "Prefix of every queue name and Redis key; lets several systems share one broker and Redis.",
     "database_url": "SQLAlchemy URL of the outcome ledger (SQLite file by default).",
     "default_model": "Model used when a request names none.",
@@ -196,6 +201,7 @@ DOCS: dict[str, str] = {
     "sim_kill_on": "sim backend: a batch holding an input that contains this text kills the worker process (empty: off).",
     "log_level": "Log level of every process.",
     "log_json": "Log one JSON object per line instead of plain text.",
+    "clock_skew_s": "For tests only: shifts this process's own clock by this many seconds, to show that hosts whose clocks disagree still agree on deadlines and heartbeats (every process reads time corrected to Redis's clock).",
 }
 
 

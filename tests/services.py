@@ -20,7 +20,7 @@ import signal
 import subprocess
 import tempfile
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -47,8 +47,9 @@ def rabbitmqctl(*args: str, node: str | None = None, timeout: float = 60,
 class PrivateRedis:
     """A redis-server of the test's own; ``kill()`` is SIGKILL, ``start()`` again reuses the same port."""
 
-    def __init__(self, port: int | None = None) -> None:
+    def __init__(self, port: int | None = None, args: Sequence[str] = ()) -> None:
         self.port = port or free_port()
+        self.args = list(args)  # more redis-server options (``--replicaof``, ``--dir``, ...)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -58,7 +59,8 @@ class PrivateRedis:
     def start(self, timeout_s: float = 10) -> PrivateRedis:
         binary = shutil.which("redis-server") or "/usr/bin/redis-server"
         self.proc = subprocess.Popen([binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                      "--appendonly", "no", *self.args], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
         wait_for(self.ping, timeout_s, f"the private Redis on port {self.port}")
         return self
 

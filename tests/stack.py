@@ -18,6 +18,8 @@ import redis
 import requests
 from kombu import Connection
 
+from tasks.state.connect import redis_client
+
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 BROKER_URL = os.environ.get("LLMB_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
@@ -43,7 +45,7 @@ class Stack:
         self.admin("db", "upgrade")
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.groups: set[int] = set()  # every process group spawned, so that close() leaves no orphan behind
-        self.redis = redis.Redis.from_url(self.env["LLMB_REDIS_URL"])
+        self.redis = redis_client(self.env["LLMB_REDIS_URL"])  # a plain Redis, or the master behind Sentinel
         self.port = 0
 
     # -- processes -----------------------------------------------------------------------------------

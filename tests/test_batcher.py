@@ -212,6 +212,7 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     from kombu import Connection
     from kombu.exceptions import EncodeError
 
+    from tasks.broker.queues import recovery_queue
     from tasks.broker.recovery import Recovery
     from tasks.state.claims import Claims
     from tasks.state.fleet import Fleet
@@ -230,7 +231,7 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     ns = f"t{uuid.uuid4().hex[:10]}"
     recovery = Recovery(h.batcher, Fleet(client, f"{ns}:fleet", 3.0), Claims(client, f"{ns}:claim"),
                         Quarantine(client, f"{ns}:quarantine"), ResultWriter(client, lambda i: i, 60),
-                        lambda event: None, lambda: Connection(BROKER_URL), f"{ns}.recovery")
+                        lambda event: None, lambda: Connection(BROKER_URL), recovery_queue(f"{ns}.recovery"))
     try:
         with pytest.raises(EncodeError):
             recovery.take_back("w0", h.workers[0].queue)

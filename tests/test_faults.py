@@ -242,12 +242,13 @@ def test_the_batcher_killed_or_stopped_and_restarted_loses_nothing(steady: Stead
 
 
 def test_the_active_batcher_killed_its_standby_takes_over_without_a_restart(steady: Steady, stack: Stack) -> None:
-    """Two batchers: RabbitMQ delivers to one (single active consumer); SIGKILL it and the standby gets its
+    """Two batchers: RabbitMQ delivers to one (single active consumer). A batcher that joins under load becomes
+    the standby without disturbing anything in flight; SIGKILL the active one and the standby gets its
     unacknowledged requests and every new one, with nothing restarted."""
-    stack.start_batcher("standby")
-    wait_for(lambda: stack.request_queue_consumers() == 2, 30, "the standby batcher consuming")
     load = steady(stack.url, timeout_ms=TIMEOUT_MS, prefix="failover")
     warm(load)
+    stack.start_batcher("standby")
+    wait_for(lambda: stack.request_queue_consumers() == 2, 30, "the standby batcher consuming")
     killed_at = time.monotonic()
     stack.kill("batcher", signal.SIGKILL)
     carry_on(load, 3.0)

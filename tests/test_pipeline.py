@@ -5,6 +5,9 @@ Timing bounds here are deliberately generous: speed is measured by the benchmark
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import threading
 import time
 import uuid
@@ -273,5 +276,43 @@ def test_two_batchers_started_with_their_defaults_on_one_host_both_serve(tmp_pat
         assert [r.status_code for r in answers] == [200] * len(texts)
         assert [r.json()["output"] for r in answers] == [expected(t) for t in texts]
         assert all(s.procs[n].poll() is None for n in ("batcher-a", "batcher-b"))
+    finally:
+        s.close()
+
+
+@pytest.mark.fault
+def test_on_quorum_queues_every_queue_is_quorum_and_a_killed_worker_loses_nothing(tmp_path: Path) -> None:
+    """LLMB_QUEUE_TYPE=quorum: the request, recovery and GPU worker queues are quorum queues (replicated in a
+    RabbitMQ cluster), and the pipeline keeps its guarantees on them: a worker SIGKILLed mid-batch has its
+    batch redelivered and every caller gets its own answer."""
+    s = Stack(tmp_path, queue_type="quorum")
+    try:
+        for device in (0, 1):
+            s.start_worker(device)
+        s.start_batcher()
+        url = s.start_web(workers=1)
+        s.wait_ready(workers=2)
+        texts = [f"quorum {i}" for i in range(60)]
+        answers = post_many(url, [{"input": t} for t in texts[:20]])
+        assert [r.json().get("output") for r in answers] == [expected(t) for t in texts[:20]]
+
+        listed = subprocess.run(["rabbitmqctl", "list_queues", "-q", "name", "type"], capture_output=True,
+                                text=True, timeout=60, check=True).stdout
+        types = dict(line.split()[:2] for line in listed.splitlines() if line.startswith(s.namespace + "."))
+        for queue in (f"{s.namespace}.requests", f"{s.namespace}.recovery", f"{s.namespace}.gpu.test.0",
+                      f"{s.namespace}.gpu.test.1"):
+            assert types.get(queue) == "quorum", f"{queue} is {types.get(queue)!r}: {types}"
+
+        with ThreadPoolExecutor(40) as pool:
+            def paced(i_text: tuple[int, str]) -> requests.Response:  # a stream over 2 s: both workers get some
+                time.sleep(i_text[0] * 0.05)
+                return post(url, {"input": i_text[1], "timeout_ms": 20_000})
+
+            later = pool.map(paced, enumerate(texts[20:]))
+            s.wait_batch_start(0, within_s=0.2)
+            os.kill(s.worker_child(0), signal.SIGKILL)
+            answers = list(later)
+        assert [r.status_code for r in answers] == [200] * 40
+        assert [r.json()["output"] for r in answers] == [expected(t) for t in texts[20:]]
     finally:
         s.close()

@@ -5,7 +5,6 @@ that should hold an admin key rather than database credentials.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import asdict
 from typing import Any
 
@@ -46,7 +45,7 @@ def _json_object() -> dict[str, Any]:
 
 @bp.get("/tenants")
 def list_tenants() -> Response:
-    now = time.time()
+    now = services().gateway.clock()
     admission = services().gateway.admission
     return jsonify(tenants=[{**asdict(p), "in_flight": admission.tenant_in_flight(p.name, now)}
                             for p in services().keys.list_tenants()])
@@ -98,5 +97,5 @@ def revoke_key(key_id: str) -> Response:
 @bp.get("/stats")
 def stats() -> Response:
     gateway = services().gateway
-    return jsonify(models=model_report(gateway.admission, gateway.live_workers(), time.time(),
+    return jsonify(models=model_report(gateway.admission, gateway.live_workers(), gateway.clock(),
                                        services().settings.scale_headroom))

@@ -35,7 +35,7 @@ class Services:
     def from_settings(cls, settings: Settings) -> Services:
         client = redis_client(settings)
         publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
-                                     settings.persistent_requests)
+                                     settings.persistent_requests, settings.queue_type)
         keys = KeyStore.from_settings(settings)
         gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
         return cls(settings=settings,
@@ -68,5 +68,5 @@ def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPub
         except Exception:  # RabbitMQ away: leave the gauge out of this scrape
             return None
 
-    registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth))
+    registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth, gateway.clock))
     return registry

@@ -37,6 +37,12 @@ def make_celery(settings: Settings) -> Celery:
         control_exchange=settings.namespace,
         event_exchange=f"{settings.namespace}.events",
         task_create_missing_queues=True,
+        # GPU worker queues are created on first use, by the worker or by a batcher's send: of the configured
+        # type (quorum: Celery then also drops the global QoS that quorum queues do not support).
+        task_create_missing_queue_type=settings.queue_type,
+        # A host cut off without a word (no FIN, no RST) is noticed by its missed heartbeats: RabbitMQ then
+        # closes its connection, so a batcher's requests go to a standby and a worker's batches come back.
+        broker_heartbeat=settings.broker_heartbeat_s,
         worker_send_task_events=True,  # Flower
         task_send_sent_event=True,
         worker_hijack_root_logger=False,

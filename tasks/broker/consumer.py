@@ -31,6 +31,8 @@ from tasks.policy.flush import FlushPolicy
 from tasks.policy.wait import WaitPolicy
 from tasks.schema import Batch, BatchEvent, BatchItem, InferenceRequest, WorkerInfo
 from tasks.state.claims import Claims
+from tasks.state.clock import SharedClock
+from tasks.state.connect import redis_client
 from tasks.state.fleet import Fleet, FleetCache
 from tasks.state.metrics import Stats
 from tasks.state.quarantine import Quarantine, QuarantineSync
@@ -48,10 +50,11 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.app: Celery = c.app
         self.settings = settings_of(c.app)
         s = self.settings
-        client = redis.Redis.from_url(s.redis_url, socket_timeout=2, socket_connect_timeout=2)
+        client = redis_client(s, socket_timeout=2, socket_connect_timeout=2)
         stats = Stats.from_settings(s, client)
+        self.clock = SharedClock.from_settings(s, client)  # deadlines and heartbeats are on it, whatever host set them
         self.fleet = Fleet.from_settings(s, client)
-        self.workers = FleetCache(self.fleet, s.heartbeat_interval_s / 2)
+        self.workers = FleetCache(self.fleet, s.heartbeat_interval_s / 2, wallclock=self.clock)
         self.ledger = LedgerWriter.from_settings(s, on_drop=lambda n: stats.add("ledger_dropped", n))
         self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000, s.max_batch_bytes), self._dispatch,
                                self._live_workers, max_outstanding=s.max_outstanding_batches,
@@ -59,13 +62,13 @@ class BatchingStep(bootsteps.ConsumerStep):
                                wait=WaitPolicy(s.wait_mode, s.max_wait_ms / 1000, s.min_wait_ms / 1000,
                                                s.adaptive_max_wait_ms / 1000),
                                quantum=s.fair_quantum, offline_wait_s=s.offline_max_wait_ms / 1000,
-                               on_dropped=self._on_dropped)
+                               on_dropped=self._on_dropped, wallclock=self.clock)
         quarantine = Quarantine.from_settings(s, client)
         self.quarantine_sync = QuarantineSync(quarantine, self.ledger.ledger)  # the ledger is the durable copy
         self.recovery = Recovery(
             self.batcher, self.fleet, Claims.from_settings(s, client), quarantine,
             ResultWriter.from_settings(s, client), self.ledger.record,
-            lambda: self.app.pool.acquire(block=True, timeout=10), s.recovery_queue,
+            lambda: self.app.pool.acquire(block=True, timeout=10), recovery_queue(s.recovery_queue, s.queue_type),
             on_poison=lambda: stats.add("poison_inputs"))
         self._timer: Any = None
         self._timer_eta = float("inf")
@@ -77,11 +80,11 @@ class BatchingStep(bootsteps.ConsumerStep):
         announcements = Queue(f"{s.namespace}.fleet.{uuid.uuid4().hex}", exchange=fleet_exchange(s.namespace),
                               exclusive=True, auto_delete=True, durable=False)
         return [
-            Consumer(channel, queues=[request_queue(s.request_queue)], on_message=self._on_message,
+            Consumer(channel, queues=[request_queue(s.request_queue, s.queue_type)], on_message=self._on_message,
                      prefetch_count=s.batcher_prefetch, accept=["json"]),
             Consumer(channel, queues=[announcements], on_message=self._on_batch_event, no_ack=True,
                      accept=["json"]),
-            Consumer(channel, queues=[recovery_queue(s.recovery_queue)], on_message=self._on_recovery,
+            Consumer(channel, queues=[self.recovery.queue], on_message=self._on_recovery,
                      prefetch_count=s.batcher_prefetch, accept=["json"]),
         ]
 
@@ -147,7 +150,7 @@ class BatchingStep(bootsteps.ConsumerStep):
         held batches."""
         self.quarantine_sync.tick()
         try:
-            self.recovery.check(time.time())
+            self.recovery.check(self.clock())
         except Exception as exc:  # Redis or the broker is away: try again at the next tick
             log.warning("could not check the fleet for lost workers: %s", exc)
         self.batcher.forget_stale_in_flight(older_than_s=600)

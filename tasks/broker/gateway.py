@@ -33,7 +33,10 @@ from tasks.errors import (
 )
 from tasks.policy.capacity import deadline_cap, retry_after_s
 from tasks.schema import InferenceRequest, Item, ItemResult, Priority, WorkerInfo, input_hash
+from tasks.state import connect
 from tasks.state.admission import Admission, Ticket, Verdict
+from tasks.state.clock import SharedClock
+from tasks.state.connect import PoolExhausted
 from tasks.state.fleet import Fleet, FleetCache
 from tasks.state.keys import Keys
 from tasks.state.results import ResultListener
@@ -43,28 +46,12 @@ log = logging.getLogger(__name__)
 BROKER_ERRORS = (KombuError, AMQPError, OSError)
 
 
-class PoolExhausted(redis.ConnectionError):
-    """No pooled Redis connection came free in time: this process is overloaded (Redis itself may be fine)."""
-
-
-class WaitingPool(redis.BlockingConnectionPool):
-    """redis-py's blocking pool, telling an exhausted pool apart from an unreachable Redis."""
-
-    def get_connection(self, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return super().get_connection(*args, **kwargs)
-        except redis.ConnectionError as exc:
-            if "No connection available" in str(exc):  # redis-py's words for its pool's timeout
-                raise PoolExhausted(f"all {self.max_connections} Redis connections stayed busy for "
-                                    f"{self.timeout} s") from None
-            raise
-
-
 def redis_client(settings: Settings) -> redis.Redis:
-    """The Redis client of an API process: one bounded pool shared by all of its waiting callers."""
-    return redis.Redis(connection_pool=WaitingPool.from_url(
-        settings.redis_url, max_connections=settings.redis_pool_size, timeout=5, socket_timeout=5,
-        socket_connect_timeout=2))
+    """The Redis client of an API process: one bounded pool shared by all of its waiting callers (a plain Redis
+    or the master behind Sentinel, as ``LLMB_REDIS_URL`` says); a caller that waits 5 s for a connection gets
+    :class:`PoolExhausted`."""
+    return connect.redis_client(settings, max_connections=settings.redis_pool_size, pool_timeout_s=5,
+                                socket_timeout=5, socket_connect_timeout=2)
 
 
 def _overloaded(exc: Exception) -> Overloaded:
@@ -118,9 +105,12 @@ class Gateway:
         self.reply_to = self.keys.replies(instance_id)
         self.admission = Admission.from_settings(settings, client, instance_id)
         self._lease_started = False
+        # Times other hosts compare with (deadlines sent to batchers and workers, heartbeats read) are on the
+        # fleet's shared clock; this process's own waits run on its monotonic clock.
+        self.clock = SharedClock.from_settings(settings, client)
         self.fleet = Fleet.from_settings(settings, client)
         # A stopping worker still serves its model: a rolling restart must not flap it to 503.
-        self.workers = FleetCache(self.fleet, settings.heartbeat_interval_s / 2, draining=True)
+        self.workers = FleetCache(self.fleet, settings.heartbeat_interval_s / 2, draining=True, wallclock=self.clock)
         self.result_key = self.keys.result
         self.listener = ResultListener(client, self.reply_to, self.result_key, settings.result_recheck_ms / 1000)
 
@@ -222,7 +212,7 @@ class Gateway:
             raise Overloaded(f"this API process took {(now - (call.received_at or now)) * 1000:.0f} ms to get "
                              f"to the request, leaving too little of its {call.timeout_ms} ms to answer it; retry "
                              "in a moment", retry_after_s=self.settings.retry_after_s)
-        accepted_at = time.time()
+        accepted_at = self.clock()
         items = tuple(Item(id=uuid.uuid4().hex, input=text) for text in call.inputs)
         ids = [i.id for i in items]
         request = InferenceRequest(
@@ -314,7 +304,7 @@ class Gateway:
         """Readiness: broker and Redis reachable, and the live workers. Raises Unavailable otherwise."""
         try:
             self.client.ping()
-            workers = self.fleet.live(time.time())
+            workers = self.fleet.live(self.clock())
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
         try:

@@ -38,22 +38,32 @@ class PublisherBusy(Exception):
 # one's connection closes (its unacknowledged requests go to the next, in order). So however many batchers run,
 # one sees every request: tenant fairness, priority and the per-worker batch limit hold as with one.
 SINGLE_ACTIVE = {"x-single-active-consumer": True}
+QUEUE_TYPES = ("classic", "quorum")
 
 
-def request_queue(name: str) -> Queue:
+def queue_arguments(queue_type: str) -> dict[str, object]:
+    """The declaration arguments of a queue of this type (``LLMB_QUEUE_TYPE``): quorum queues are replicated
+    across a RabbitMQ cluster (Raft), classic ones live on one node."""
+    if queue_type not in QUEUE_TYPES:
+        raise ValueError(f"LLMB_QUEUE_TYPE={queue_type!r}: expected one of {', '.join(QUEUE_TYPES)}")
+    return {} if queue_type == "classic" else {"x-queue-type": queue_type}
+
+
+def request_queue(name: str, queue_type: str = "classic") -> Queue:
     """Declared identically by publishers and the batcher (a mismatch would make RabbitMQ refuse one)."""
-    return Queue(name, durable=True, routing_key=name, queue_arguments=SINGLE_ACTIVE)
+    return Queue(name, durable=True, routing_key=name, queue_arguments={**SINGLE_ACTIVE, **queue_arguments(queue_type)})
 
 
-def recovery_queue(name: str) -> Queue:
-    return Queue(name, durable=True, routing_key=name, queue_arguments=SINGLE_ACTIVE)
+def recovery_queue(name: str, queue_type: str = "classic") -> Queue:
+    return Queue(name, durable=True, routing_key=name, queue_arguments={**SINGLE_ACTIVE, **queue_arguments(queue_type)})
 
 
 class RequestPublisher:
     """Publishes from many greenlets or threads: each publish borrows a connection from a bounded pool."""
 
-    def __init__(self, broker_url: str, queue_name: str, pool_size: int, persistent: bool = True) -> None:
-        self.queue = request_queue(queue_name)
+    def __init__(self, broker_url: str, queue_name: str, pool_size: int, persistent: bool = True,
+                 queue_type: str = "classic") -> None:
+        self.queue = request_queue(queue_name, queue_type)
         self.persistent = persistent
         self.connection = Connection(
             broker_url, connect_timeout=2, transport_options={"confirm_publish": True}

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from typing import Any
 
 import redis
-from kombu import Connection, Message
+from kombu import Connection, Message, Queue
 
 from tasks.broker.celery_app import batch_of_task
-from tasks.broker.queues import RETRY_POLICY, recovery_queue
+from tasks.broker.queues import RETRY_POLICY
 from tasks.errors import PoisonInput, RetriesExhausted
 from tasks.policy.batcher import Batcher
 from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, input_hash
@@ -45,7 +45,7 @@ LOST = "lost"
 class Recovery:
     def __init__(self, batcher: Batcher, fleet: Fleet, claims: Claims, quarantine: Quarantine,
                  writer: ResultWriter, record: Callable[[LedgerEvent], None],
-                 connection: Callable[[], Connection], queue_name: str,
+                 connection: Callable[[], Connection], queue: Queue,
                  on_poison: Callable[[], object] = lambda: None) -> None:
         self.batcher = batcher
         self.fleet = fleet
@@ -54,7 +54,7 @@ class Recovery:
         self.writer = writer
         self.record = record
         self.connection = connection  # a broker connection for queue checks, draining and publishing
-        self.queue = recovery_queue(queue_name)
+        self.queue = queue  # the recovery queue (tasks.broker.queues.recovery_queue)
         self.on_poison = on_poison  # counts isolated poison inputs (metrics)
         self._queues: dict[str, str] = {}  # each worker's batch queue, from the last heartbeat seen of it
         self._gone_since: dict[str, float] = {}  # workers holding our batches, missing from the fleet view

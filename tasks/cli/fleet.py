@@ -23,7 +23,7 @@ def workers(admin: Admin, as_json: bool) -> None:
     """The fleet, from heartbeats: state, backlog and speed of every GPU worker."""
     try:
         fleet = admin.fleet()
-        now = time.time()
+        now = admin.clock()()
         rows = sorted(fleet.all(), key=lambda w: w.id)
     except redis.RedisError as exc:
         fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
@@ -58,7 +58,7 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         before, busy_before = counters.counters(), counters.busy_seconds()
         time.sleep(interval)
         after, busy_after = counters.counters(), counters.busy_seconds()
-        now = time.time()
+        now = admin.clock()()
         admission = admin.admission()
         in_flight = admission.in_flight(now)
         oldest = admission.oldest_arrival()

@@ -17,6 +17,8 @@ from tasks.broker.gateway import Gateway
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
 from tasks.state.admission import Admission
+from tasks.state.clock import SharedClock
+from tasks.state.connect import redis_client
 from tasks.state.fleet import Fleet
 from tasks.state.keys import Keys
 from tasks.state.quarantine import Quarantine
@@ -34,7 +36,7 @@ class Admin:
     @property
     def redis(self) -> redis.Redis:
         if self._redis is None:
-            self._redis = redis.Redis.from_url(self.settings.redis_url, socket_timeout=5, socket_connect_timeout=2)
+            self._redis = redis_client(self.settings, socket_timeout=5, socket_connect_timeout=2)
         return self._redis
 
     @property
@@ -43,6 +45,10 @@ class Admin:
 
     def fleet(self) -> Fleet:
         return Fleet.from_settings(self.settings, self.redis)
+
+    def clock(self) -> SharedClock:
+        """The fleet's shared wall clock (heartbeats and deadlines are on it)."""
+        return SharedClock.from_settings(self.settings, self.redis)
 
     def admission(self) -> Admission:
         return Admission.from_settings(self.settings, self.redis)
@@ -58,7 +64,7 @@ class Admin:
 
     def publisher(self, pool_size: int = 1) -> RequestPublisher:
         s = self.settings
-        return RequestPublisher(s.broker_url, s.request_queue, pool_size)
+        return RequestPublisher(s.broker_url, s.request_queue, pool_size, queue_type=s.queue_type)
 
     def gateway(self) -> Gateway:
         return Gateway(self.settings, self.redis, self.publisher(4), f"cli-{uuid.uuid4().hex}")

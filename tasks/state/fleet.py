@@ -56,8 +56,9 @@ class FleetCache:
     interval: heartbeats change no faster), so routing and admission cost no Redis round trip per request."""
 
     def __init__(self, fleet: Fleet, max_age_s: float, *, draining: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wallclock: Callable[[], float] = time.time) -> None:
         self.fleet = fleet
+        self.wallclock = wallclock  # the shared clock heartbeats are written on (tasks.state.clock)
         self.max_age_s = max_age_s
         self.draining = draining
         self.clock = clock
@@ -69,7 +70,7 @@ class FleetCache:
         next call tries again (or :meth:`keep` the last view)."""
         now = self.clock()
         if fresh or self._read_at is None or now - self._read_at > self.max_age_s:
-            self.last = self.fleet.live(time.time(), draining=self.draining)
+            self.last = self.fleet.live(self.wallclock(), draining=self.draining)
             self._read_at = now
         return self.last
 

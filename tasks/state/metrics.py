@@ -86,9 +86,10 @@ class SystemCollector(Collector):
     """System-wide figures, read at scrape time."""
 
     def __init__(self, settings: Settings, fleet: Fleet, admission: Admission,
-                 queue_depth: Callable[[], int | None]) -> None:
-        """``fleet`` and ``admission``: the API process's own (its gateway's), read at scrape time."""
+                 queue_depth: Callable[[], int | None], clock: Callable[[], float] = time.time) -> None:
+        """``fleet``, ``admission`` and ``clock``: the API process's own (its gateway's), read at scrape time."""
         self.settings = settings
+        self.clock = clock
         self.queue_depth = queue_depth
         self.fleet = fleet
         self.admission = admission
@@ -96,7 +97,7 @@ class SystemCollector(Collector):
         self.quarantine = Quarantine.from_settings(settings, admission.client)
 
     def collect(self) -> Iterator[Metric]:
-        s, now = self.settings, time.time()
+        s, now = self.settings, self.clock()
         try:
             # A scrape is rare (every 15 s or so): each figure is read from the object that owns it.
             in_flight, oldest = self.admission.in_flight(now), self.admission.oldest_arrival()
