@@ -176,3 +176,21 @@ def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: 
     assert not [k for k in client.scan_iter(f"{prefix}:*") if client.type(k) == b"zset" and client.zcard(k)
                 and not k.endswith(b":instances")]
     assert not client.exists(f"{prefix}:inflight:owner:dead")
+
+
+def test_with_no_api_process_left_a_reaper_without_a_lease_releases_what_a_lapsed_one_admitted(
+        ns: tuple[redis.Redis, str]) -> None:
+    """The only API host cut off: nobody renews a lease, so the batcher reaps (holding no lease of its own)."""
+    client, prefix = ns
+    cut = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="cut", lease_s=0.2)
+    reaper = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine")
+    ids = [uuid.uuid4().hex for _ in range(7)]
+    assert cut.try_admit(ids, ["h"] * 7, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=3600,
+                         model_cap=100)[0] is Verdict.OK
+    assert cut.renew() == 0 and reaper.reap() == 0
+    lease_ends = client.zscore(cut.leases_key, "cut")
+    assert lease_ends is not None
+    wait_for(lambda: redis_now(client) > lease_ends, 10, "Redis's clock to pass the cut process's lease")
+    assert reaper.reap() == 7
+    assert reaper.in_flight(time.time()) == 0
+    assert client.zcard(cut.leases_key) == 0, "the reaper holds no lease and the lapsed one is gone"

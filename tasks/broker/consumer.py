@@ -30,6 +30,7 @@ from tasks.policy.batcher import Batcher
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.wait import WaitPolicy
 from tasks.schema import Batch, BatchEvent, BatchItem, InferenceRequest, WorkerInfo
+from tasks.state.admission import Admission
 from tasks.state.claims import Claims
 from tasks.state.clock import SharedClock
 from tasks.state.connect import redis_client
@@ -64,6 +65,7 @@ class BatchingStep(bootsteps.ConsumerStep):
                                quantum=s.fair_quantum, offline_wait_s=s.offline_max_wait_ms / 1000,
                                on_dropped=self._on_dropped, wallclock=self.clock)
         quarantine = Quarantine.from_settings(s, client)
+        self.admission = Admission.from_settings(s, client)  # reaps what lost API processes had admitted
         self.quarantine_sync = QuarantineSync(quarantine, self.ledger.ledger)  # the ledger is the durable copy
         self.recovery = Recovery(
             self.batcher, self.fleet, Claims.from_settings(s, client), quarantine,
@@ -146,13 +148,17 @@ class BatchingStep(bootsteps.ConsumerStep):
         self._arm(self.batcher.poll())
 
     def _on_tick(self) -> None:
-        """Periodic: take back lost workers' batches, restore a quarantine Redis lost, refresh the fleet, retry
-        held batches."""
+        """Periodic: take back lost workers' batches, restore a quarantine Redis lost, release what lost API
+        processes had admitted, refresh the fleet, retry held batches."""
         self.quarantine_sync.tick()
         try:
             self.recovery.check(self.clock())
         except Exception as exc:  # Redis or the broker is away: try again at the next tick
             log.warning("could not check the fleet for lost workers: %s", exc)
+        try:
+            self.admission.reap()
+        except redis.RedisError as exc:
+            log.warning("could not release what lost API processes had admitted: %s", exc)
         self.batcher.forget_stale_in_flight(older_than_s=600)
         self.workers.invalidate()
         self._arm(self.batcher.retry_held())

@@ -126,10 +126,11 @@ end
 return values
 """
 
-# KEYS: leases; ARGV: 1 this instance, 2 lease (s), 3 key prefix of the sets. Renews this process's lease and
-# releases everything admitted by processes whose lease lapsed. Returns how many items it released.
+# KEYS: leases; ARGV: 1 this instance ('' for a reaper holding no lease), 2 lease (s), 3 key prefix of the sets.
+# Renews this process's lease and releases everything admitted by processes whose lease lapsed. Returns how many
+# items it released.
 _RENEW = _NOW + """
-redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
+if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
 local prefix = ARGV[3]
 local released = 0
 for _, instance in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
@@ -268,6 +269,12 @@ class Admission:
         """Renew this process's lease; release what processes whose lease lapsed had admitted (returns how many
         items). Called every ``lease_s / 3`` by each API process."""
         return int(self._renew(keys=[self.leases_key], args=[self.instance, self.lease_s, self.key]))
+
+    def reap(self) -> int:
+        """Release what processes whose lease lapsed had admitted, holding no lease (the batcher does this at
+        every tick, so capacity comes back even when no API process is left to reap: the only API host cut
+        off, say)."""
+        return int(self._renew(keys=[self.leases_key], args=["", self.lease_s, self.key]))
 
     def in_flight(self, now: float) -> int:
         return int(self.client.zcount(self.key, now, "+inf"))
