@@ -19,8 +19,8 @@ import click
 @click.command()
 @click.option("--gpu", "device", default=0, show_default=True, type=click.IntRange(min=0),
               help="Device index; sets CUDA_VISIBLE_DEVICES.")
-@click.option("--backend", default="sim", show_default=True, type=click.Choice(["sim", "hf-causal", "hf-embed"]),
-              help="Model backend.")
+@click.option("--backend", default="sim", show_default=True,
+              type=click.Choice(["sim", "sim-lm", "hf-causal", "hf-embed"]), help="Model backend.")
 @click.option("--model", default=None,
               help="hf-*: a hub id or a local folder (hf-embed defaults to the packaged all-MiniLM-L6-v2); "
                    "sim: the name to serve.")

@@ -165,7 +165,14 @@ class BatchRunner:
         if expired:
             self.record(ItemsOutcome(batch.model, expired, "expired", "deadline passed before the batch ran",
                                      batch.id))
-        summary.update(size=len(live), dropped_expired=len(expired))
+        # Items another batch already answered: a batcher cut off from the broker sends, when its link comes
+        # back, a batch its standby had re-formed and run meanwhile. Running them again would only cost the device.
+        answered = self._until_settled(batch, lambda: self.writer.answered([i.id for i in live])) if live else set()
+        if answered:
+            log.info("batch %s: %d item(s) already answered by another batch; not running them", batch.id,
+                     len(answered), extra={"batch_id": batch.id})
+            live = tuple(i for i in live if i.id not in answered)
+        summary.update(size=len(live), dropped_expired=len(expired), already_answered=len(answered or ()))
         if not live:
             self._until_settled(batch, lambda: self.writer.mark_done(self.claims.key(batch.id)))
             return summary

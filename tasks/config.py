@@ -19,7 +19,7 @@ class Settings:
     redis_url: str = "redis://127.0.0.1:6379/0"
     namespace: str = "llmb"
     queue_type: str = "classic"
-    broker_heartbeat_s: float = 2.0
+    broker_heartbeat_s: float = 1.0
     database_url: str = "sqlite:///var/llmb.db"
     default_model: str = "sim"
     served_name: str = ""
@@ -84,6 +84,18 @@ class Settings:
     sim_max_batch: int = 100
     sim_raise_on: str = ""
     sim_kill_on: str = ""
+    sim_lm_mode: str = "continuous"
+    sim_lm_speed: float = 1.0
+    sim_lm_step_ms: float = 11.0
+    sim_lm_step_ms_per_seq: float = 0.106
+    sim_lm_prefill_ms_per_token: float = 0.09
+    sim_lm_kv_tokens: int = 121_744
+    sim_lm_page_size: int = 16
+    sim_lm_prefix_sharing: bool = True
+    sim_lm_max_seqs: int = 256
+    sim_lm_slots: int = 4
+    sim_lm_max_context: int = 4096
+    sim_lm_eos_mean: float = 128.0
 
     log_level: str = "INFO"
     log_json: bool = False
@@ -199,6 +211,18 @@ DOCS: dict[str, str] = {
     "sim_max_batch": "sim backend: most items the simulated device takes at once.",
     "sim_raise_on": "sim backend: a batch holding an input that contains this text raises (poison tests; empty: off).",
     "sim_kill_on": "sim backend: a batch holding an input that contains this text kills the worker process (empty: off).",
+    "sim_lm_mode": "sim-lm backend (a simulated generative device; defaults: Llama-2-7B fp16 on one A100 80GB): 'continuous' (one engine steps every running sequence; requests join and leave at every step under the KV budget) or 'static' (a batch holds the device until its longest member is done).",
+    "sim_lm_speed": "sim-lm: how many times faster than the modelled device it runs (every simulated time is divided by this; for tests).",
+    "sim_lm_step_ms": "sim-lm: fixed time of one decoding step (11.0: fitted to NVIDIA's published Llama-2-7B A100 latencies).",
+    "sim_lm_step_ms_per_seq": "sim-lm: extra time of a decoding step per sequence in it.",
+    "sim_lm_prefill_ms_per_token": "sim-lm: time per prompt token prefilled (0.09: about 11,000 tokens/s).",
+    "sim_lm_kv_tokens": "sim-lm: KV-cache capacity in tokens, the budget the worker advertises (121744: 90% of 80 GiB less the weights, at 512 KiB a token).",
+    "sim_lm_page_size": "sim-lm: tokens per KV-cache page; a sequence holds ceil((prompt + generated) / page size) pages.",
+    "sim_lm_prefix_sharing": "sim-lm: sequences whose prompts start with the same whole pages hold (and prefill) those pages once.",
+    "sim_lm_max_seqs": "sim-lm: most sequences in one decoding step (and in one static batch).",
+    "sim_lm_slots": "sim-lm continuous mode: batches a worker runs at once (their requests share the decode batch).",
+    "sim_lm_max_context": "sim-lm: most tokens per request (prompt + max_tokens).",
+    "sim_lm_eos_mean": "sim-lm: mean output length: each answer ends at an EOS position drawn from a hash of its prompt (geometric, a constant chance per step), capped by max_tokens; 0: every answer runs to its max_tokens.",
     "log_level": "Log level of every process.",
     "log_json": "Log one JSON object per line instead of plain text.",
     "clock_skew_s": "For tests only: shifts this process's own clock by this many seconds, to show that hosts whose clocks disagree still agree on deadlines and heartbeats (every process reads time corrected to Redis's clock).",

@@ -647,8 +647,10 @@ class Hosts:
 class OutstandingSampler:
     """Samples, from the client host, the batches outstanding on each worker: ready in its queue plus those it
     holds (unacknowledged). RabbitMQ leaves a message ready only while its consumer's prefetch (``prefetch``,
-    LLMB_MAX_OUTSTANDING_BATCHES) is full, so outstanding = ready + prefetch when ready > 0, else what the
+    LLMB_MAX_OUTSTANDING_BATCHES) is full, so outstanding = ready + prefetch when ready > 0 (in two samples
+    running, so that a message caught on its way to a consumer with room does not count), else what the
     worker's last heartbeat reports holding; with no consumer (its connection closed) it is what is ready.
+    Only workers in the pool count (a fresh heartbeat): a cut-off worker's queue is the batchers' to take back.
     Passive declares every ``interval_s`` (cheap), heartbeats every fourth sample."""
 
     def __init__(self, hosts: Hosts, interval_s: float = 0.05, prefetch: int = 2) -> None:
@@ -657,12 +659,15 @@ class OutstandingSampler:
         self.prefetch = prefetch
         self.max_outstanding: dict[str, int] = {}
         self.max_ready: dict[str, int] = {}
+        self.max_at: dict[str, float] = {}  # seconds after the start when each maximum was first seen
+        self.started_at = time.monotonic()
         self.samples = 0
         self.errors = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="outstanding-sampler", daemon=True)
 
     def __enter__(self) -> OutstandingSampler:
+        self.started_at = time.monotonic()
         self._thread.start()
         return self
 
@@ -677,6 +682,8 @@ class OutstandingSampler:
         enter_netns(self.h.hosts["client"].ns)
         client = redis.Redis.from_url(self.h.redis_url, socket_timeout=1, socket_connect_timeout=1)
         held: dict[str, int] = {}
+        fresh: dict[str, bool] = {}
+        last_ready: dict[str, int] = {}
         conn: Connection | None = None
         n = 0
         while not self._stop.is_set():
@@ -686,16 +693,26 @@ class OutstandingSampler:
                     conn.connect()
                 channel = conn.default_channel
                 if n % 4 == 0:
+                    now = time.time()
                     for wid, raw in client.hgetall(f"{self.h.namespace}:fleet").items():
-                        held[wid.decode().split("@", 1)[1]] = int(json.loads(raw).get("outstanding") or 0)
+                        beat, host = json.loads(raw), wid.decode().split("@", 1)[1]
+                        held[host] = int(beat.get("outstanding") or 0)
+                        fresh[host] = now - float(beat.get("heartbeat_at") or 0) < self.h.heartbeat_stale_s
                 for host in self.h.gpu_hosts:
                     _, ready, consumers = channel.queue_declare(self.h.gpu_queue(host), passive=True)
+                    if not fresh.get(host):  # out of the pool (cut off, say): nobody sends it anything
+                        continue
+                    # ready in two samples running: a message caught between its enqueue and its delivery to a
+                    # consumer with room is not waiting (a batch beyond the prefetch waits a whole batch time)
+                    waiting, last_ready[host] = min(int(ready), last_ready.get(host, 0)), int(ready)
                     if not consumers:  # its connection is gone: what it held is back in the queue, ready
-                        out = int(ready)
+                        out = waiting
                     else:
-                        out = int(ready) + self.prefetch if ready else held.get(host, 0)
-                    self.max_outstanding[host] = max(self.max_outstanding.get(host, 0), out)
-                    self.max_ready[host] = max(self.max_ready.get(host, 0), int(ready))
+                        out = waiting + self.prefetch if waiting else held.get(host, 0)
+                    if out > self.max_outstanding.get(host, -1):
+                        self.max_outstanding[host] = out
+                        self.max_at[host] = round(time.monotonic() - self.started_at, 2)
+                    self.max_ready[host] = max(self.max_ready.get(host, 0), waiting)
                 self.samples += 1
             except Exception:
                 self.errors += 1
@@ -799,6 +816,7 @@ class BatcherCut:
     active_after: str | None
     outstanding: dict[str, int]
     timeout_ms: int
+    outstanding_at: dict[str, float] = field(default_factory=dict)  # when each maximum was seen (s after the cut)
 
 
 def batcher_cut(h: Hosts, rate: float = 40, timeout_ms: int = 10_000, switch_within_s: float = 30) -> BatcherCut:
@@ -836,8 +854,10 @@ def batcher_cut(h: Hosts, rate: float = 40, timeout_ms: int = 10_000, switch_wit
     answers = [o.sent_at + o.latency_ms / 1000 - cut_at for o in after if o.status == 200]
     first = min(answers) if answers else None
     worst = max((o.latency_ms for o in after if o.sent_at < cut_at + 1.0), default=0.0)
+    offset = cut_at - sampler.started_at
     return BatcherCut(report, active, standby, ",".join(beats), switched, first, worst, rejoined,
-                      h.active_batcher(), dict(sampler.max_outstanding), timeout_ms)
+                      h.active_batcher(), dict(sampler.max_outstanding), timeout_ms,
+                      {k: round(v - offset, 2) for k, v in sampler.max_at.items()})
 
 
 @dataclass

@@ -194,3 +194,18 @@ def test_with_no_api_process_left_a_reaper_without_a_lease_releases_what_a_lapse
     assert reaper.reap() == 7
     assert reaper.in_flight(time.time()) == 0
     assert client.zcard(cut.leases_key) == 0, "the reaper holds no lease and the lapsed one is gone"
+
+
+def test_a_call_that_reaches_redis_after_its_caller_gave_up_is_not_admitted(ns: tuple[redis.Redis, str]) -> None:
+    """A link that came back delivers an admission sent seconds ago; its caller already got 503, so it must not
+    take capacity (nobody would release it)."""
+    client, prefix = ns
+    adm = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="api", lease_s=5)
+    ids = [uuid.uuid4().hex for _ in range(3)]
+    late = adm.try_admit(ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30, model_cap=100,
+                         valid_until=redis_now(client) - 0.5)
+    assert late.verdict is Verdict.LATE
+    assert adm.in_flight(time.time()) == 0 and not client.hlen(adm.owner_key)
+    in_time = adm.try_admit(ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30,
+                            model_cap=100, valid_until=redis_now(client) + 2.5)
+    assert in_time.verdict is Verdict.OK and adm.in_flight(time.time()) == 3

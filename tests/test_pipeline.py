@@ -316,3 +316,25 @@ def test_on_quorum_queues_every_queue_is_quorum_and_a_killed_worker_loses_nothin
         assert [r.json()["output"] for r in answers] == [expected(t) for t in texts[20:]]
     finally:
         s.close()
+
+
+def test_a_stale_batch_whose_items_another_batch_answered_is_not_run_again(stack: Stack) -> None:
+    """A batcher cut off from the broker sends, when its link comes back, a batch its standby re-formed and ran
+    meanwhile: the worker drops the items that already have an answer instead of running them again."""
+    from tasks.broker.celery_app import RUN_BATCH, make_celery
+    from tasks.config import Settings
+    from tasks.schema import Batch, BatchItem
+
+    answer = post(stack.url, {"input": "answered once"})
+    assert answer.status_code == 200
+    item_id = next(key.decode().rsplit(":", 1)[1] for key in stack.redis.scan_iter(f"{stack.namespace}:result:*"))
+    before = stack.redis.get(f"{stack.namespace}:result:{item_id}")
+    now = time.time()
+    stale = Batch(id=uuid.uuid4().hex, model="sim", created_at=now, items=(BatchItem(
+        id=item_id, request_id="stale", input="answered once", deadline=now + 30, accepted_at=now,
+        reply_to=f"{stack.namespace}:nobody"),))
+    app = make_celery(Settings.from_env(stack.env))
+    app.send_task(RUN_BATCH, args=[stale.to_dict()], queue=f"{stack.namespace}.gpu.test.0", task_id=stale.id)
+    wait_for(lambda: f"batch {stale.id}: 1 item(s) already answered" in stack.log("gpu0"), 15,
+             "the worker to drop the stale batch's answered item")
+    assert stack.redis.get(f"{stack.namespace}:result:{item_id}") == before

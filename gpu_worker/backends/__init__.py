@@ -12,7 +12,7 @@ from typing import Any, Protocol
 
 from tasks.config import Settings
 
-KINDS = ("sim", "hf-causal", "hf-embed")
+KINDS = ("sim", "sim-lm", "hf-causal", "hf-embed")
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,17 @@ def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: i
         return SimBackend(name=model or "sim", batch_ms=settings.sim_batch_ms, item_ms=settings.sim_item_ms,
                           max_batch=settings.sim_max_batch, raise_on=settings.sim_raise_on,
                           kill_on=settings.sim_kill_on)
+    if kind == "sim-lm":
+        from gpu_worker.backends.sim_lm import SimLMBackend
+        from gpu_worker.backends.sim_lm_engine import Timing
+
+        return SimLMBackend(name=model or "sim-lm", mode=settings.sim_lm_mode, speed=settings.sim_lm_speed,
+                            timing=Timing(settings.sim_lm_prefill_ms_per_token, settings.sim_lm_step_ms,
+                                          settings.sim_lm_step_ms_per_seq),
+                            kv_tokens=settings.sim_lm_kv_tokens, page_size=settings.sim_lm_page_size,
+                            prefix_sharing=settings.sim_lm_prefix_sharing, max_seqs=settings.sim_lm_max_seqs,
+                            slots=settings.sim_lm_slots, max_batch=settings.max_batch_size,
+                            max_context=settings.sim_lm_max_context, eos_mean=settings.sim_lm_eos_mean)
     if kind == "hf-embed":
         from gpu_worker.backends.hf_embed import HFEmbedBackend, default_model_path
 

@@ -44,6 +44,10 @@ from tasks.state.results import ResultListener
 log = logging.getLogger(__name__)
 
 BROKER_ERRORS = (KombuError, AMQPError, OSError)
+REDIS_TIMEOUT_S = 5.0  # an API process's Redis commands: longest wait for an answer
+# An admission reaching Redis later than this after it was sent is refused by the script itself: its caller
+# may have had a timeout by then (503), and admitting it would hold capacity nobody releases.
+ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
 
 
 def redis_client(settings: Settings) -> redis.Redis:
@@ -51,7 +55,7 @@ def redis_client(settings: Settings) -> redis.Redis:
     or the master behind Sentinel, as ``LLMB_REDIS_URL`` says); a caller that waits 5 s for a connection gets
     :class:`PoolExhausted`."""
     return connect.redis_client(settings, max_connections=settings.redis_pool_size, pool_timeout_s=5,
-                                socket_timeout=5, socket_connect_timeout=2)
+                                socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=2)
 
 
 def _overloaded(exc: Exception) -> Overloaded:
@@ -226,11 +230,14 @@ class Gateway:
             self._keep_lease()
             verdict, bad_hash, ahead = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
-                model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap)
+                model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap,
+                valid_until=self.clock() + ADMIT_VALID_S)
         except PoolExhausted as exc:
             raise _overloaded(exc) from None
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable: {exc}") from None
+        if verdict is Verdict.LATE:
+            raise Unavailable("Redis answered too late to admit the call (a slow or interrupted link); retry")
         if verdict is Verdict.QUARANTINED:
             raise PoisonInput(f"input {hashes.index(bad_hash or '')} is quarantined (hash {bad_hash}): it failed "
                               "alone before; an operator can release it with "

@@ -39,6 +39,7 @@ from tasks.schema import Priority, WorkerInfo
 from tasks.state.keys import Keys
 
 RATE_WINDOW_S = 10  # the arrival rate is the mean over this many whole seconds
+NEVER = 1e18  # a valid_until that never comes
 SEP = "\t"  # between tenant, model and class in an owner hash's values (none of them can hold a tab)
 
 _NOW = """
@@ -65,13 +66,17 @@ end
 #       (deadline), 6 model interactive arrivals, 7 model arrival counter for this second, 8 model offline
 #       (deadline), 9 global offline (deadline), 10 this process's owner hash, 11 leases
 # ARGV: 1 interactive cap, 2 model cap, 3 tenant cap, 4 timeout (s), 5 n, 6 priority, 7 offline cap,
-#       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), item ids..., hashes...
-# Returns 'ok', 'quarantined:<hash>', or 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set.
+#       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), 11 valid until
+#       (Redis time), item ids..., hashes...
+# Returns 'ok', 'quarantined:<hash>', 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set, or
+# 'late' when the call reached Redis after its caller stopped waiting for the answer (a link that came back:
+# admitting it then would hold capacity for a call that was already refused).
 # An interactive call counts only the interactive items ahead of it (they go first in every batch); an
 # offline call counts both classes at its model, and only offline items against the global caps.
 _ADMIT = _PURGE + """
+if now > tonumber(ARGV[11]) then return 'late' end
 local n = tonumber(ARGV[5])
-local first = 11
+local first = 12
 for i = first + n, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
@@ -169,6 +174,7 @@ class Verdict(StrEnum):
     FULL = "full"
     TENANT_FULL = "tenant_full"
     QUARANTINED = "quarantined"
+    LATE = "late"
 
 
 class Decision(NamedTuple):
@@ -234,10 +240,11 @@ class Admission:
                 model + ":arrivals"]
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
-                  timeout_s: float, model_cap: int | None = None, tenant_cap: int | None = None
-                  ) -> Decision:
+                  timeout_s: float, model_cap: int | None = None, tenant_cap: int | None = None,
+                  valid_until: float | None = None) -> Decision:
         """Admit all items or none, each until Redis's clock passes now + ``timeout_s`` (``now``, this host's
-        clock, only names the arrival-rate bucket)."""
+        clock, only names the arrival-rate bucket). A call that reaches Redis after ``valid_until`` (Redis
+        time: the caller has given up on the answer by then) is not admitted: LATE."""
         model = self.model_key(ticket.model)
         keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
                 model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline", self.offline_key,
@@ -246,7 +253,8 @@ class Admission:
         raw = self._admit(keys=keys, args=[self.cap, self.cap if model_cap is None else model_cap,
                                            self.cap if tenant_cap is None else tenant_cap, timeout_s,
                                            len(item_ids), ticket.priority, self.offline_cap, entry, self.instance,
-                                           self.lease_s, *item_ids, *hashes])
+                                           self.lease_s, NEVER if valid_until is None else valid_until,
+                                           *item_ids, *hashes])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         verdict, _, detail = text.partition(":")
         if verdict == Verdict.QUARANTINED:

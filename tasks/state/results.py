@@ -75,6 +75,13 @@ class ResultWriter:
     def mark_done(self, done_key: str) -> None:
         self.client.set(done_key, DONE, ex=self.ttl_s)
 
+    def answered(self, item_ids: Sequence[str]) -> set[str]:
+        """The items among these that already have a result (one round trip)."""
+        pipe = self.client.pipeline(transaction=False)
+        for item_id in item_ids:
+            pipe.exists(self.key(item_id))
+        return {item_id for item_id, found in zip(item_ids, pipe.execute()) if found}
+
 
 DELTAS = "D"  # first character of a pub/sub message carrying streamed text rather than finished item ids
 
