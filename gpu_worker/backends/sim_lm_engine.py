@@ -257,14 +257,14 @@ class KVCache:
     def pages(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 
-    def shareable(self, seq: Seq, tokens: int) -> list[int]:
-        """The shared pages ``seq`` holds when it holds ``tokens`` tokens."""
-        return seq.page_keys[:self.pages(tokens)] if self.sharing else []
+    def shared_pages(self, seq: Seq, tokens: int) -> int:
+        """How many of its whole prompt pages ``seq`` holds as shared pages when it holds ``tokens`` tokens."""
+        return min(len(seq.page_keys), self.pages(tokens)) if self.sharing else 0
 
     def resident(self, seq: Seq) -> int:
         """Whole prompt pages of ``seq`` that other sequences hold already (no prefill, no new page)."""
         n = 0
-        for key in self.shareable(seq, seq.length):
+        for key in seq.page_keys[:self.shared_pages(seq, seq.length)]:
             if key not in self.holders:
                 break
             n += 1
@@ -272,17 +272,17 @@ class KVCache:
 
     def cost(self, seq: Seq, tokens: int) -> int:
         """New pages ``seq`` needs to hold ``tokens`` tokens."""
-        shared = self.shareable(seq, tokens)
-        new_shared = sum(1 for k in shared[len(seq.shared):] if k not in self.holders)
-        return new_shared + self.pages(tokens) - len(shared) - seq.private
+        shared = self.shared_pages(seq, tokens)
+        new_shared = sum(1 for k in seq.page_keys[len(seq.shared):shared] if k not in self.holders)
+        return new_shared + self.pages(tokens) - shared - seq.private
 
     def hold(self, seq: Seq, tokens: int) -> None:
         """Let ``seq`` hold ``tokens`` tokens (the caller checked the cost fits)."""
-        shared = self.shareable(seq, tokens)
-        for key in shared[len(seq.shared):]:
+        shared = self.shared_pages(seq, tokens)
+        for key in seq.page_keys[len(seq.shared):shared]:
             self.holders[key] = self.holders.get(key, 0) + 1
-        seq.shared = list(shared)
-        private = self.pages(tokens) - len(shared)
+            seq.shared.append(key)
+        private = self.pages(tokens) - shared
         self.private += private - seq.private
         seq.private = private
 
