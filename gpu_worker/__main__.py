@@ -93,7 +93,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     fleet = Fleet.from_settings(settings, client)
     runtime = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch, fleet, state, settings,
                             model_backend.kind, model_backend.max_context, model_backend.slots,
-                            getattr(model_backend, "kv_tokens", 0))
+                            getattr(model_backend, "kv_tokens", 0), getattr(model_backend, "kv_used", lambda: 0))
     app.conf["llmb_worker"] = runtime
     app.steps["worker"].add(HeartbeatStep)
 

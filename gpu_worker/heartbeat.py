@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -41,10 +42,11 @@ class WorkerRuntime:
 
     def __init__(self, worker_id: str, queue: str, model: str, max_batch: int, fleet: Fleet,
                  state: WorkerState, settings: Settings, kind: str = "sim", max_context: int = 0,
-                 slots: int = 1, kv_tokens: int = 0) -> None:
+                 slots: int = 1, kv_tokens: int = 0, kv_used: Callable[[], int] = lambda: 0) -> None:
         self.kind = kind
         self.slots = slots
         self.kv_tokens = kv_tokens
+        self.kv_used = kv_used  # the backend's KV tokens in use now (0 where it keeps no such count)
         self.max_context = max_context
         self.worker_id = worker_id
         self.queue = queue
@@ -101,7 +103,7 @@ class WorkerRuntime:
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
             tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
-            kv_tokens=self.kv_tokens,
+            kv_tokens=self.kv_tokens, kv_used=self.kv_used(),
         )
 
 

@@ -119,9 +119,10 @@ class BatchRunner:
     def run(self, batch: Batch) -> dict[str, Any]:
         """Run the batch and write its results; the batchers hear when it starts and when it is done."""
         run_ms: float | None = None
+        tokens: dict[str, int] | None = None
         try:
             summary = self._run(batch)
-            run_ms = summary.get("run_ms")
+            run_ms, tokens = summary.get("run_ms"), summary.get("tokens_by_tenant")
             return summary
         except Reject:
             raise
@@ -130,7 +131,7 @@ class BatchRunner:
             self._hand_back(batch, Failure.RAISED, f"the worker failed on this batch: {type(exc).__name__}: {exc}")
             return {"batch_id": batch.id, "given_back": "raised"}
         finally:
-            self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms))
+            self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms, tokens))
 
     def _run(self, batch: Batch) -> dict[str, Any]:
         summary: dict[str, Any] = {"batch_id": batch.id, "size": len(batch.items)}
@@ -203,6 +204,11 @@ class BatchRunner:
                                       started_at=started_at, run_ms=round(run_ms, 3))
         results = [ItemResult(error=o.type, message=o.message, **common) if isinstance(o, ItemError)
                    else ItemResult(output=o, **common) for o in outputs]
+        by_tenant: dict[str, int] = {}  # what fairness charges each tenant, corrected from its estimate
+        for item, o in zip(live, outputs):
+            if isinstance(o, dict) and "completion_tokens" in o:
+                used = int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
+                by_tenant[item.tenant] = by_tenant.get(item.tenant, 0) + used
         tokens = sum(int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
                      for o in outputs if isinstance(o, dict))
         self.state.add_work(run_ms / 1000, tokens, self.state.clock())
@@ -221,7 +227,7 @@ class BatchRunner:
                                  self.state.clock(), round(run_ms, 3)))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
                  extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
-        return {**summary, "run_ms": round(run_ms, 1)}
+        return {**summary, "run_ms": round(run_ms, 1), **({"tokens_by_tenant": by_tenant} if by_tenant else {})}
 
     def _hooks(self, live: tuple[BatchItem, ...]) -> Hooks:
         """Streaming and cancellation for generating backends, by position in the batch."""

@@ -49,6 +49,7 @@ class Settings:
     fair_quantum: int = 10
     offline_max_timeout_ms: int = 3_600_000
     scale_headroom: float = 1.25
+    kv_admission_factor: float = 4.0
 
     admission_cap: int = 10000
     offline_admission_cap: int = 10000
@@ -179,6 +180,7 @@ DOCS: dict[str, str] = {
     "tenant_priority": "Priority class of a tenant with no settings of its own: 'interactive' or 'offline'.",
     "fair_quantum": "Items a tenant of weight 1 may put in a batch per round of weighted deficit round robin.",
     "offline_max_timeout_ms": "Largest timeout_ms an offline request may ask for.",
+    "kv_admission_factor": "Generation models whose workers advertise a KV cache: tokens (prompt + max_tokens, estimated) admitted at once may be this many times the fleet's KV caches together (the rest waits for room); over it: 429.",
     "scale_headroom": "Recommended workers = arrival rate x batch time / batch size x this.",
     "offline_admission_cap": "Most offline items admitted and not yet answered, across all API processes (offline items do not count against LLMB_ADMISSION_CAP, so an offline backlog never closes the door to interactive callers).",
     "api_lease_s": "Each API process holds a lease in Redis for this long, renewed three times as often; when it lapses (the process died) the capacity its callers held is released within seconds instead of at their deadlines.",

@@ -163,6 +163,7 @@ class WorkerInfo:
     kind: str = "sim"  # "sim", "causal" or "embed"
     slots: int = 1  # batches it runs at once (continuous batching: several share the decode batch)
     kv_tokens: int = 0  # continuous batching: tokens its KV cache holds, the real limit on concurrency
+    kv_used: int = 0  # of those, tokens held by running sequences now
     tokens_per_s: float = 0.0  # over the last minute
     utilisation: float = 0.0  # fraction of the last minute spent running batches
     max_context: int = 0  # tokens per item (prompt + output), 0 when it does not apply
@@ -183,6 +184,7 @@ class BatchEvent:
     batch_id: str
     event: str  # "started" or "finished"
     run_ms: float | None = None
+    tokens: dict[str, int] | None = None  # finished: prompt + completion tokens its items took, by tenant
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -192,6 +194,7 @@ class BatchEvent:
         event = str(d["event"])
         if event not in ("started", "finished"):
             raise ValueError(f"unknown batch event {event!r}")
-        run_ms = d.get("run_ms")
+        run_ms, tokens = d.get("run_ms"), d.get("tokens")
         return cls(worker=str(d["worker"]), batch_id=str(d["batch_id"]), event=event,
-                   run_ms=None if run_ms is None else float(run_ms))  # type: ignore[arg-type]
+                   run_ms=None if run_ms is None else float(run_ms),  # type: ignore[arg-type]
+                   tokens={str(k): int(v) for k, v in tokens.items()} if isinstance(tokens, dict) else None)

@@ -209,3 +209,44 @@ def test_a_call_that_reaches_redis_after_its_caller_gave_up_is_not_admitted(ns: 
     in_time = adm.try_admit(ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30,
                             model_cap=100, valid_until=redis_now(client) + 2.5)
     assert in_time.verdict is Verdict.OK and adm.in_flight(time.time()) == 3
+
+
+def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_path_gives_them_back(
+        ns: tuple[redis.Redis, str]) -> None:
+    """Generation items are admitted while the model's admitted tokens fit its budget (the fleet's KV room);
+    answered, released, expired or reaped, their tokens come back."""
+    client, prefix = ns
+    adm = Admission(client, f"{prefix}:inflight", 1000, f"{prefix}:quarantine", instance="api", lease_s=0.3)
+    lm = Ticket("t", "lm")
+
+    def admit(tokens: list[int], timeout_s: float = 30) -> tuple[list[str], Verdict]:
+        ids = [uuid.uuid4().hex for _ in tokens]
+        decision = adm.try_admit(ids, ["h"] * len(ids), ticket=lm, now=time.time(), timeout_s=timeout_s,
+                                 model_cap=1000, tokens=tokens, token_cap=10_000)
+        return ids, decision.verdict
+
+    first, verdict = admit([3000, 3000])
+    assert verdict is Verdict.OK and adm.tokens_held("lm") == 6000
+    _, verdict = admit([5000])
+    assert verdict is Verdict.TOKENS_FULL and adm.tokens_held("lm") == 6000  # refused whole
+    second, verdict = admit([4000])
+    assert verdict is Verdict.OK and adm.tokens_held("lm") == 10_000
+
+    client.set(f"{prefix}:r:{first[0]}", "done")
+    adm.collect(lm, first, [f"{prefix}:r:{first[0]}", f"{prefix}:r:{first[1]}"])  # one answered
+    assert adm.tokens_held("lm") == 7000
+    adm.release(lm, [first[1]])
+    assert adm.tokens_held("lm") == 4000
+
+    short, verdict = admit([500], timeout_s=0.2)
+    assert verdict is Verdict.OK and adm.tokens_held("lm") == 4500
+    wait_for(lambda: admit([0])[1] is Verdict.OK and adm.tokens_held("lm") == 4000, 10,
+             "the expired item's tokens to be purged at the next admission")
+
+    reaper = Admission(client, f"{prefix}:inflight", 1000, f"{prefix}:quarantine")
+    lease_ends = client.zscore(adm.leases_key, "api")
+    assert lease_ends is not None
+    wait_for(lambda: redis_now(client) > lease_ends, 10, "the lease to lapse")
+    assert reaper.reap() >= 1
+    assert adm.tokens_held("lm") == 0 and not client.hlen(f"{prefix}:inflight:m:lm:kv")
+    assert second  # (its tokens went with the reaped lease)

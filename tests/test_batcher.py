@@ -1,6 +1,8 @@
 """The batcher's guarantees with its I/O replaced by recorders and a fake clock."""
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 
 from tasks.policy.batcher import Batcher
@@ -239,3 +241,32 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     finally:
         with Connection(BROKER_URL) as conn:
             conn.default_channel.queue_delete(f"{ns}.recovery")
+
+
+def test_generation_requests_are_shared_by_tokens_and_corrected_by_what_they_took() -> None:
+    """Two tenants, both backlogged: one sends 2,000-character prompts (about 500 tokens + 100 to generate),
+    the other 40-character ones (10 + 100). A batch of 12 gives them equal estimated tokens, so the short
+    tenant gets several times the requests; when the long tenant's answers turn out short, its refund buys it
+    more of the next batch."""
+    h = Harness(size=12, workers=1, max_outstanding=1)
+    now = h.clock.t
+
+    def send(rid: str, tenant: str, chars: int) -> None:
+        request = InferenceRequest(id=rid, tenant=tenant, model="sim", items=(Item(f"{rid}.0", "x" * chars),),
+                                   accepted_at=now, deadline=now + 30, reply_to="r", params={"max_tokens": 100})
+        h.batcher.add(request, lambda: None)
+
+    h.batcher.scheduler.sent("w0", "busy", h.clock.t)  # the worker is busy: requests accumulate
+    for k in range(60):
+        send(f"long{k}", "long", 2000)
+        send(f"short{k}", "short", 40)
+    h.batcher.finished("w0", "busy")
+    first = h.sent[-1][0]
+    count = Counter(i.tenant for i in first.items)
+    assert count["short"] >= 4 * count["long"] >= 4, count
+
+    tokens = {t: sum(600 if t == "long" else 110 for i in first.items if i.tenant == t) for t in count}
+    took = {"long": count["long"] * 150, "short": tokens["short"]}  # the long answers stopped early
+    h.batcher.finished("w0", first.id, 0.25, took)
+    second = h.sent[-1][0]
+    assert Counter(i.tenant for i in second.items)["long"] > count["long"], Counter(i.tenant for i in second.items)

@@ -139,3 +139,70 @@ def test_the_byte_count_follows_drops_and_put_backs() -> None:
     assert buffer.bytes == 0
     buffer.put_back(taken)
     assert buffer.bytes == 50 and not buffer.is_ready(0.5)
+
+
+# -- token fairness (generation models: an item costs its tokens) ---------------------------------------------
+def costly(tenant: str, k: int, cost: float) -> Waiting[str]:
+    return Waiting(f"{tenant}{k}", 0.0, 100.0, tenant, Priority.INTERACTIVE, cost)
+
+
+def test_long_and_short_prompts_get_equal_token_throughput_not_equal_requests() -> None:
+    """Both backlogged, equal weights: a tenant of 2,020-token requests and one of 40-token requests get the
+    same tokens per batch (within one request's cost), so the short one sends about fifty times the requests."""
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(2000):
+        drr.add(costly("long", k, 2020))
+        drr.add(costly("short", k, 40))
+    tokens: Counter[str] = Counter()
+    for _ in range(20):
+        for w in drr.take(100):
+            tokens[w.tenant] += int(w.cost)
+    assert abs(tokens["long"] - tokens["short"]) / tokens["short"] <= 0.10, tokens
+    assert abs(tokens["long"] - tokens["short"]) <= 2020 + 10, tokens
+
+
+def test_token_weights_share_tokens_in_proportion() -> None:
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(5000):
+        drr.add(costly("gold", k, 300), weight=3)
+        drr.add(costly("free", k, 100), weight=1)
+    tokens: Counter[str] = Counter()
+    for _ in range(30):
+        for w in drr.take(100):
+            tokens[w.tenant] += int(w.cost)
+    assert 2.7 <= tokens["gold"] / tokens["free"] <= 3.3, tokens
+
+
+def test_a_refund_of_unused_tokens_is_spent_by_the_tenant_still_waiting() -> None:
+    """Charged 1,000 tokens per request on its max_tokens, a tenant whose answers were short gets the unused
+    tokens back as deficit, and sends more before the round moves on; a tenant with no waiting item banks
+    nothing."""
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(50):
+        drr.add(costly("a", k, 1000))
+        drr.add(costly("b", k, 1000))
+    first = drr.take(4)
+    assert Counter(w.tenant for w in first) == {"a": 2, "b": 2}
+    drr.charge("a", -1800)  # its two answers took 100 tokens each
+    drr.charge("nobody", -10_000)  # not waiting: ignored
+    nxt = [w.tenant for w in drr.take(6)]
+    assert nxt.count("a") >= 3, nxt
+
+
+def test_choosing_costs_no_more_with_expensive_items() -> None:
+    """Rounds in which nobody can send are skipped in one step: 100 items of 100,000 tokens at a quantum of 10
+    take a handful of passes, not 10,000 rounds each."""
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=10)
+    for k in range(100):
+        drr.add(costly("a", k, 100_000))
+        drr.add(costly("b", k, 99_000))
+    got = drr.take(50)
+    assert len(got) == 50 and abs(sum(w.tenant == "a" for w in got) - 25) <= 1
+
+
+def test_black_box_items_stay_item_fair() -> None:
+    """An item without a token count (embeddings, sim) costs one unit: batch slots are shared, as before."""
+    from tasks.policy.tokens import cost
+
+    assert cost("a sentence to embed", {}) == 1.0
+    assert cost("x" * 400, {"max_tokens": 16}) == 100 + 16

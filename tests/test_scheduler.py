@@ -125,3 +125,32 @@ def test_a_lost_finished_announcement_is_repaired_by_the_workers_heartbeat() -> 
     s.reconcile([replace(a, heartbeat_at=1012.0)], wall_to_mono=-1000.0)
     assert s.outstanding("a", 12.0) == 0
     assert s.choose([a], "sim", now=12.0).worker is not None
+
+
+def kv_worker(wid: str, kv_tokens: int, slots: int = 4) -> WorkerInfo:
+    from dataclasses import replace
+
+    return replace(worker(wid, model="lm"), kv_tokens=kv_tokens, slots=slots)
+
+
+def test_a_worker_whose_kv_cache_is_spoken_for_takes_nothing_more() -> None:
+    s = Scheduler(max_outstanding=2)
+    w = kv_worker("a", kv_tokens=1000)
+    first = s.choose([w], "lm", now=0.0)
+    assert first.worker is w and first.kv_room == 1000
+    s.sent("a", "b1", now=0.0, tokens=800)
+    assert s.choose([w], "lm", now=0.0).kv_room == 200  # the next batch may hold 200 tokens more
+    s.sent("a", "b2", now=0.0, tokens=200)
+    full = s.choose([w], "lm", now=0.0)
+    assert full.worker is None and full.retry_in_s is None  # until a batch finishes
+    s.finished("a", "b1", 0.5)
+    assert s.choose([w], "lm", now=0.5).kv_room == 800
+
+
+def test_equal_backlogs_go_to_the_worker_with_the_most_kv_room() -> None:
+    s = Scheduler(max_outstanding=2)
+    a, b = kv_worker("a", kv_tokens=10_000), kv_worker("b", kv_tokens=10_000)
+    s.sent("a", "a1", now=0.0, tokens=6000)
+    s.sent("b", "b1", now=0.0, tokens=1000)
+    choice = s.choose([a, b], "lm", now=0.0)
+    assert choice.worker is b and choice.kv_room == 9000

@@ -134,7 +134,7 @@ class BatchingStep(bootsteps.ConsumerStep):
             self._arm(self.batcher.started(event.worker, event.batch_id))
         else:
             run_s = None if event.run_ms is None else event.run_ms / 1000
-            self._arm(self.batcher.finished(event.worker, event.batch_id, run_s))
+            self._arm(self.batcher.finished(event.worker, event.batch_id, run_s, event.tokens))
 
     def _on_recovery(self, message: Message) -> None:
         self._arm(self.recovery.on_message(message))

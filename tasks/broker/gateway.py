@@ -31,7 +31,8 @@ from tasks.errors import (
     TenantOverLimit,
     Unavailable,
 )
-from tasks.policy.capacity import deadline_cap, retry_after_s
+from tasks.policy import tokens
+from tasks.policy.capacity import deadline_cap, largest_fit, retry_after_s, token_budget
 from tasks.schema import InferenceRequest, Item, ItemResult, Priority, WorkerInfo, input_hash
 from tasks.state import connect
 from tasks.state.admission import Admission, Ticket, Verdict
@@ -226,12 +227,13 @@ class Gateway:
         )
         hashes = [input_hash(call.model, text) for text in call.inputs]
         ticket = Ticket(call.tenant, call.model, call.priority)
+        item_tokens, token_cap = self._token_demand(call)
         try:
             self._keep_lease()
             verdict, bad_hash, ahead = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
                 model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap,
-                valid_until=self.clock() + ADMIT_VALID_S)
+                valid_until=self.clock() + ADMIT_VALID_S, tokens=item_tokens, token_cap=token_cap)
         except PoolExhausted as exc:
             raise _overloaded(exc) from None
         except redis.RedisError as exc:
@@ -247,6 +249,9 @@ class Gateway:
             raise TenantOverLimit(
                 f"tenant {call.tenant!r} is at its cap of {cap} items in flight; retry when some are answered "
                 "(other tenants are not affected)", retry_after_s=self._retry_after(call.model, ahead))
+        if verdict is Verdict.TOKENS_FULL:
+            raise QueueFull(f"the KV memory of every worker serving {call.model!r} is spoken for ({ahead} tokens "
+                            "admitted and unanswered); retry later", retry_after_s=self.settings.retry_after_s)
         if verdict is Verdict.FULL:
             raise QueueFull(
                 "the service is full: no room to answer this request within its deadline; retry later",
@@ -273,6 +278,26 @@ class Gateway:
             self._release(ticket, ids)
             raise
         return ids, deadline, accepted_at
+
+    def _token_demand(self, call: Call) -> tuple[list[int], int]:
+        """Each item's estimated tokens (prompt + max_tokens; 0 for a non-generation item) and the model's token
+        budget (0: none). An item that could never fit on any worker of the model is refused here (400)."""
+        estimates = [tokens.estimated_tokens(text, call.params) for text in call.inputs]
+        if all(e is None for e in estimates):
+            return [], 0
+        try:
+            workers = [w for w in self.live_workers() if w.model == call.model]
+        except BatchingError:
+            return [e or 0 for e in estimates], 0  # the refusal for want of Redis or a worker comes later
+        fit = largest_fit(workers)
+        budget = tokens.generation_budget(call.params) or 0
+        for index, text in enumerate(call.inputs):
+            least = tokens.least_prompt_tokens(text) + budget
+            if fit and least > fit:
+                raise InvalidInput(f"input {index} needs at least {least} tokens (its prompt and max_tokens "
+                                   f"{budget}), more than any worker of {call.model!r} holds for one request "
+                                   f"({fit}); shorten it or ask for fewer tokens")
+        return [e or 0 for e in estimates], token_budget(workers, self.settings.kv_admission_factor)
 
     def _shortest_answer_s(self, model: str) -> float:
         """The least time in which a new call could be answered: one batch on the model's fastest worker

@@ -12,6 +12,7 @@ import click
 import redis
 
 from tasks.cli.main import Admin, cli, fail, pass_admin
+from tasks.schema import WorkerInfo
 from tasks.state.admission import model_report
 from tasks.state.metrics import Stats
 
@@ -35,13 +36,18 @@ def workers(admin: Admin, as_json: bool) -> None:
         click.echo("no GPU worker has sent a heartbeat (start one with `gpu-worker --gpu 0`)")
         return
     click.echo(f"{'WORKER':<28} {'MODEL':<16} {'STATE':<6} {'QUEUED':>6} {'FREE IN':>9} {'BATCH':>9} "
-               f"{'DONE':>7} {'TOK/S':>8} {'UTIL':>5} {'SEEN':>6}  QUEUE")
+               f"{'DONE':>7} {'TOK/S':>8} {'UTIL':>5} {'KV USED':>9} {'SEEN':>6}  QUEUE")
     for w in rows:
         age = now - w.heartbeat_at
         state = w.state if age <= fleet.stale_after_s else "STALE"
         click.echo(f"{w.id:<28} {w.model:<16} {state:<6} {w.outstanding:>6} {w.free_in_ms:>7.0f}ms "
                    f"{w.batch_ms_estimate:>7.0f}ms {w.completed:>7} {w.tokens_per_s:>8.1f} {w.utilisation:>5.0%} "
-                   f"{age:>5.1f}s  {w.queue}")
+                   f"{_kv(w):>9} {age:>5.1f}s  {w.queue}")
+
+
+def _kv(w: WorkerInfo) -> str:
+    """KV cache in use, as a share of the worker's budget ('-' where it advertises none)."""
+    return f"{w.kv_used / w.kv_tokens:.0%}" if w.kv_tokens else "-"
 
 
 @cli.command()

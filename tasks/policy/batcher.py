@@ -19,9 +19,10 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tasks.policy import tokens
 from tasks.policy.fairness import FairBuffer, Waiting
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.isolation import Plan, avoid, plan
@@ -114,7 +115,7 @@ class Batcher:
                 delivery,
             )
             buffer.add(entry, now=now, deadline=request.deadline + offset, tenant=request.tenant,
-                       weight=request.weight, priority=request.priority)
+                       weight=request.weight, priority=request.priority, cost=tokens.cost(item.input, request.params))
         self.rates.setdefault(request.model, ArrivalRate()).observe(len(request.items), now)
         self.stats["requests"] += 1
         self.stats["items"] += len(request.items)
@@ -184,7 +185,7 @@ class Batcher:
                 continue
             if self._drop(model, buffer, now + self.scheduler.batch_s(worker)):
                 continue  # items that could not finish in time are gone: is a batch still due?
-            pending = buffer.take()
+            pending = buffer.take(token_limit=choice.kv_room)
             batch = self._batch(model, pending)
             if not self._send(batch, worker):
                 buffer.put_back(pending)
@@ -211,7 +212,8 @@ class Batcher:
             log.exception("could not hand batch %s to %s; keeping it", batch.id, worker.id)
             return False
         now = self.clock()
-        self.scheduler.sent(worker.id, batch.id, now)
+        kv = sum(tokens.estimated_tokens(i.input, i.params) or 0 for i in batch.items)
+        self.scheduler.sent(worker.id, batch.id, now, kv)
         self.in_flight[batch.id] = (worker.id, batch, now)
         return True
 
@@ -220,10 +222,24 @@ class Batcher:
         self.scheduler.started(worker_id, batch_id, self.clock())
         return self.retry_held()
 
-    def finished(self, worker_id: str, batch_id: str, run_s: float | None = None) -> float | None:
-        """A worker finished a batch: its slot is free, so held batches may go now. Returns poll()'s delay."""
+    def finished(self, worker_id: str, batch_id: str, run_s: float | None = None,
+                 tokens_by_tenant: Mapping[str, int] | None = None) -> float | None:
+        """A worker finished a batch: its slot is free, so held batches may go now. Returns poll()'s delay.
+
+        ``tokens_by_tenant``: what the batch's items really took (prompt and completion tokens, from the
+        worker); each tenant's share is corrected by the difference from the estimate it was charged."""
         self.scheduler.finished(worker_id, batch_id, run_s)
-        self.in_flight.pop(batch_id, None)
+        held = self.in_flight.pop(batch_id, None)
+        if held is not None and tokens_by_tenant:
+            batch = held[1]
+            buffer = self.buffers.get(batch.model)
+            if buffer is not None:
+                estimated: dict[str, float] = {}
+                for item in batch.items:
+                    estimated[item.tenant] = estimated.get(item.tenant, 0.0) + tokens.cost(item.input, item.params)
+                for tenant, used in tokens_by_tenant.items():
+                    if tenant in estimated:
+                        buffer.charge(tenant, used - estimated[tenant])
         return self.retry_held()
 
     # -- recovery ------------------------------------------------------------------------------------

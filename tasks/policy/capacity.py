@@ -7,7 +7,9 @@ Both come from the live workers' own measurements (batch size over the moving av
 - :func:`retry_after_s` is when a refused caller should come back: once the work ahead of it has drained at
   the fleet's measured rate;
 - :func:`recommended_workers` is the steady-state worker count for a model's arrival rate, the autoscaling
-  signal beside the age of the oldest waiting request (``llmb_recommended_workers`` on /metrics).
+  signal beside the age of the oldest waiting request (``llmb_recommended_workers`` on /metrics);
+- for generation models, :func:`token_budget` is the tokens that may be admitted at once (KV memory, not
+  compute, caps how many sequences a device holds) and :func:`largest_fit` the most one item may ever take.
 """
 from __future__ import annotations
 
@@ -61,3 +63,24 @@ def retry_after_s(ahead: int, workers: Sequence[WorkerInfo], *, floor_s: int = 1
         return floor_s
     return int(min(ceiling_s, max(floor_s, math.ceil(ahead / rate))))
 
+
+
+def token_budget(workers: Sequence[WorkerInfo], factor: float) -> int:
+    """Tokens (prompt + max_tokens) of a generation model that may be admitted at once: its live workers' KV
+    caches together, times ``factor`` (work queued for room as it frees); 0 (no token budget) unless every
+    worker advertises a KV cache."""
+    if not workers or any(w.kv_tokens <= 0 for w in workers):
+        return 0
+    return int(sum(w.kv_tokens for w in workers) * factor)
+
+
+def largest_fit(workers: Sequence[WorkerInfo]) -> int:
+    """The most tokens one item of this model may hold on any of its workers (context and KV cache); 0 when no
+    worker states a limit."""
+    fits = []
+    for w in workers:
+        limits = [x for x in (w.max_context, w.kv_tokens) if x > 0]
+        if not limits:
+            return 0  # a worker with no stated limit could take anything
+        fits.append(min(limits))
+    return max(fits, default=0)

@@ -2,11 +2,17 @@
 
 Plain objects with no I/O; every method that depends on time takes ``now``.
 
-- :class:`DeficitRoundRobin` is weighted deficit round robin (Shreedhar & Varghese) over one FIFO per tenant,
-  counting one item as one unit of cost (the model is a black box that runs N inputs in about the same time
-  as one, so a batch slot is the resource being shared). Each visit adds ``quantum x weight`` to a tenant's
-  deficit and takes that many of its items; a tenant whose queue empties leaves the ring with its deficit
-  reset, so idle tenants bank nothing and whoever has work gets the idle capacity (work-conserving).
+- :class:`DeficitRoundRobin` is weighted deficit round robin (Shreedhar & Varghese) over one FIFO per tenant.
+  Each item has a cost: one unit for a black-box model (it runs N inputs in about the same time as one, so
+  a batch slot is the resource being shared), its tokens for a generation model (prompt plus output:
+  :mod:`tasks.policy.tokens`), so a tenant with 2,000-token prompts and one with 20-token prompts get the
+  same token throughput, not the same number of requests (token fairness in the spirit of Sheng et al.,
+  "Fairness in Serving Large Language Models", OSDI '24). Each visit adds ``quantum x weight`` to a tenant's
+  deficit and takes its items while the deficit covers them; rounds in which nobody could send anything are
+  skipped in one step, so the cost of choosing does not grow with the item costs. An estimate corrected
+  when the item finished (:meth:`DeficitRoundRobin.charge`) moves the tenant's deficit by the difference. A
+  tenant whose queue empties leaves the ring with its deficit reset, so idle tenants bank nothing and
+  whoever has work gets the idle capacity (work-conserving).
 - :class:`FairBuffer` is the batcher's per-model buffer: one DRR ring per priority class. A batch takes
   interactive items first and fills what is left with offline ones; interactive items are flushed after the
   (adaptive) wait, offline ones may wait ``offline_wait_s`` so that their batches fill.
@@ -18,6 +24,7 @@ queue. The fair choice then needs no dynamic queues, no per-tenant consumers and
 """
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,6 +46,7 @@ class Waiting(Generic[T]):
     deadline: float
     tenant: str = "default"
     priority: Priority = Priority.INTERACTIVE
+    cost: float = 1.0  # its share of the device: 1, or its estimated tokens (tasks.policy.tokens)
 
 
 @dataclass
@@ -49,7 +57,7 @@ class _Flow(Generic[T]):
 
 
 class DeficitRoundRobin(Generic[T]):
-    """Weighted deficit round robin across tenants, one unit of cost per item."""
+    """Weighted deficit round robin across tenants, each item charged its cost."""
 
     def __init__(self, quantum: int = 10) -> None:
         if quantum < 1:
@@ -88,29 +96,52 @@ class DeficitRoundRobin(Generic[T]):
         """
         out: list[Waiting[T]] = []
         full = False
+        idle_visits = 0  # visits in a row that sent nothing: a whole round of them means skip ahead
         while len(out) < n and self._ring:
+            if idle_visits >= len(self._ring):
+                self._skip_idle_rounds()
+                idle_visits = 0
             name = self._ring[0]
             flow = self._flows[name]
-            if flow.deficit < 1:
+            if flow.deficit < flow.queue[0].cost:
                 flow.deficit += self.quantum * flow.weight
-            k = min(int(flow.deficit), n - len(out), len(flow.queue))
             taken = 0
-            while taken < k:
+            while len(out) < n and flow.queue and flow.deficit >= flow.queue[0].cost:
                 if room is not None and not room(flow.queue[0]):
                     full = True
                     break
-                out.append(flow.queue.popleft())
+                waiting = flow.queue.popleft()
+                flow.deficit -= waiting.cost
+                out.append(waiting)
                 taken += 1
-            flow.deficit -= taken
             if full:
                 break
+            idle_visits = 0 if taken else idle_visits + 1
             if not flow.queue:
                 self._ring.popleft()
                 del self._flows[name]
-            elif flow.deficit < 1:
+            elif flow.deficit < flow.queue[0].cost:
                 self._ring.rotate(-1)  # its quantum is spent: next tenant
         self._len -= len(out)
         return out
+
+    def _skip_idle_rounds(self) -> None:
+        """A whole round sent nothing (every head costs more than its tenant's deficit): credit every tenant
+        the rounds until the first of them could send, all but the last of those rounds at once (the next
+        visits add the last one), exactly as that many empty rounds of plain DRR would."""
+        rounds = min(math.ceil((f.queue[0].cost - f.deficit) / (self.quantum * f.weight))
+                     for f in (self._flows[name] for name in self._ring))
+        if rounds > 1:
+            for name in self._ring:
+                flow = self._flows[name]
+                flow.deficit += (rounds - 1) * self.quantum * flow.weight
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """Correct a tenant's deficit by what its finished items really cost beyond their estimate (negative:
+        a refund). Only a tenant still waiting is charged: an idle one banks nothing, debt or credit."""
+        flow = self._flows.get(tenant)
+        if flow is not None:
+            flow.deficit -= tokens
 
     def put_back(self, taken: list[Waiting[T]]) -> None:
         """Return items taken by :meth:`take` to the heads of their queues (the batch could not be sent)."""
@@ -157,9 +188,9 @@ class FairBuffer(Generic[T]):
             yield from c
 
     def add(self, item: T, *, now: float, deadline: float, tenant: str = "default", weight: float = 1.0,
-            priority: Priority = Priority.INTERACTIVE) -> None:
+            priority: Priority = Priority.INTERACTIVE, cost: float = 1.0) -> None:
         cls = priority if priority in self.classes else Priority.INTERACTIVE
-        self.classes[cls].add(Waiting(item, now, deadline, tenant, cls), weight)
+        self.classes[cls].add(Waiting(item, now, deadline, tenant, cls, cost), weight)
         self._min_deadline = min(self._min_deadline, deadline)
         self.bytes += self.size_of(item)
 
@@ -194,18 +225,23 @@ class FairBuffer(Generic[T]):
         at = self.ready_at(wait_s)
         return None if at is None else max(0.0, at - now)
 
-    def take(self) -> list[Waiting[T]]:
+    def take(self, token_limit: float | None = None) -> list[Waiting[T]]:
         """The next batch: interactive items by DRR, then offline items by DRR in the space left, up to
-        ``max_batch_size`` items and ``max_batch_bytes`` (a batch holds at least one item, whatever its size)."""
+        ``max_batch_size`` items, ``max_batch_bytes`` and ``token_limit`` (the KV room of the worker it goes
+        to, counted in item costs); a batch holds at least one item, whatever its size."""
         n, limit = self.policy.max_batch_size, self.policy.max_batch_bytes
         used = 0
+        used_tokens = 0.0
 
         def room(w: Waiting[T]) -> bool:
-            nonlocal used
+            nonlocal used, used_tokens
             size = self.size_of(w.item)
             if limit and used and used + size > limit:
                 return False
+            if token_limit is not None and used_tokens and used_tokens + w.cost > token_limit:
+                return False
             used += size
+            used_tokens += w.cost
             return True
 
         out = self.classes[Priority.INTERACTIVE].take(n, room)
@@ -219,6 +255,12 @@ class FairBuffer(Generic[T]):
             self.classes[p].put_back([w for w in taken if w.priority == p])
         self._min_deadline = min([self._min_deadline, *(w.deadline for w in taken)])
         self.bytes += sum(self.size_of(w.item) for w in taken)
+
+    def charge(self, tenant: str, tokens: float) -> None:
+        """Correct a tenant's share by what its finished items cost beyond their estimate (in each class it
+        is waiting in)."""
+        for c in self.classes.values():
+            c.charge(tenant, tokens)
 
     def oldest_interactive(self) -> float | None:
         return self.classes[Priority.INTERACTIVE].oldest_arrival()

@@ -16,6 +16,12 @@ Two limits keep batches large without letting a device idle:
   in the batcher and keeps filling: waiting behind a busy device costs the items nothing, and they are
   better off in a larger batch than in a small one frozen early.
 
+For a generation model whose workers advertise a KV cache (``kv_tokens``, the real limit on how many
+sequences a device holds), the scheduler also counts each worker's *KV room*: its budget less the estimated
+tokens (prompt + max_tokens, :mod:`tasks.policy.tokens`) of the batches sent to it and not finished. A worker
+with no room takes nothing more; among the others, equal backlogs go to the one with the most room; and the
+chosen worker's room caps the next batch's tokens (:attr:`Choice.kv_room`).
+
 When no worker can take a batch now, :meth:`choose` says how long until one can (work conservation: the
 batcher keeps accumulating meanwhile). ``now`` is the batcher's monotonic clock; an outstanding batch not
 heard of for ``forget_after_s`` is forgotten so that a lost announcement cannot block a worker for ever.
@@ -33,6 +39,7 @@ class _Track:
     """What the scheduler knows of one worker."""
 
     outstanding: dict[str, float] = field(default_factory=dict)  # batch id -> sent at
+    tokens: dict[str, int] = field(default_factory=dict)  # batch id -> its estimated tokens (KV it will hold)
     running: str | None = None
     running_since: float = 0.0
     batch_s: float | None = None  # moving average of run time
@@ -43,6 +50,7 @@ class _Track:
 class Choice:
     worker: WorkerInfo | None
     retry_in_s: float | None = None  # with no worker: when one could take a batch (None: on the next event)
+    kv_room: int | None = None  # the chosen worker's KV room in tokens (None: it advertises no KV budget)
 
 
 class Scheduler:
@@ -78,10 +86,22 @@ class Scheduler:
         track = self._track(worker_id)
         for batch_id, sent_at in list(track.outstanding.items()):
             if now - sent_at > self.forget_after_s:
-                del track.outstanding[batch_id]
-                if track.running == batch_id:
-                    track.running = None
+                self._forget(track, batch_id)
         return len(track.outstanding)
+
+    def kv_room(self, worker: WorkerInfo) -> int | None:
+        """Tokens of KV cache ``worker`` has left for more batches (None when it advertises no KV budget)."""
+        if worker.kv_tokens <= 0:
+            return None
+        track = self._track(worker.id)
+        return worker.kv_tokens - sum(track.tokens.get(b, 0) for b in track.outstanding)
+
+    @staticmethod
+    def _forget(track: _Track, batch_id: str) -> None:
+        track.outstanding.pop(batch_id, None)
+        track.tokens.pop(batch_id, None)
+        if track.running == batch_id:
+            track.running = None
 
     def backlog_s(self, worker: WorkerInfo, now: float) -> float:
         """Estimated time until ``worker`` could start one more batch."""
@@ -104,28 +124,36 @@ class Scheduler:
         """
         candidates = [w for w in workers if w.model == model]
         others = [w for w in candidates if w.id not in avoid]
-        best: tuple[float, int, float, str, WorkerInfo] | None = None
+        best: tuple[float, int, float, float, str, WorkerInfo] | None = None
+        best_room: int | None = None
         soonest: float | None = None
         for w in others or candidates:
             n = self.outstanding(w.id, now)
+            room = self.kv_room(w)
+            if room is not None and room <= 0:
+                continue  # its KV cache is spoken for: a finished batch frees room (the next event)
             limit = self.max_outstanding + w.slots - 1
             backlog = 0.0 if n < w.slots else self.backlog_s(w, now)
             lead = self.lead(w)
             if n < limit and backlog <= lead:
-                key = (backlog, n, self._track(w.id).last_sent, w.id, w)
-                if best is None or key[:4] < best[:4]:
-                    best = key
+                fullness = 0.0 if room is None else 1.0 - room / w.kv_tokens
+                key = (backlog, n, fullness, self._track(w.id).last_sent, w.id, w)
+                if best is None or key[:5] < best[:5]:
+                    best, best_room = key, room
             elif n < limit:
                 wait = backlog - lead
                 soonest = wait if soonest is None else min(soonest, wait)
         if best is not None:
-            return Choice(best[4])
+            return Choice(best[5], kv_room=best_room)
         return Choice(None, soonest)
 
     # -- what happened -------------------------------------------------------------------------------
-    def sent(self, worker_id: str, batch_id: str, now: float) -> None:
+    def sent(self, worker_id: str, batch_id: str, now: float, tokens: int = 0) -> None:
+        """A batch went to ``worker_id``; ``tokens``: its estimated KV footprint (0 for a non-generation one)."""
         track = self._track(worker_id)
         track.outstanding[batch_id] = now
+        if tokens:
+            track.tokens[batch_id] = tokens
         track.last_sent = now
 
     def started(self, worker_id: str, batch_id: str, now: float) -> None:
@@ -138,9 +166,9 @@ class Scheduler:
         track = self._track(worker_id)
         if run_s is not None and run_s > 0:
             track.batch_s = run_s if track.batch_s is None else track.batch_s + self.alpha * (run_s - track.batch_s)
-        if track.running == batch_id:
-            track.running = None
-        return track.outstanding.pop(batch_id, None) is not None
+        was_counted = batch_id in track.outstanding
+        self._forget(track, batch_id)
+        return was_counted
 
     def reconcile(self, workers: Iterable[WorkerInfo], wall_to_mono: float) -> None:
         """Forget batches a worker's own heartbeat says are over: it was idle with nothing outstanding at
@@ -154,9 +182,7 @@ class Scheduler:
                 continue
             seen = w.heartbeat_at + wall_to_mono - self.reconcile_margin_s
             for batch_id in [b for b, sent_at in track.outstanding.items() if sent_at < seen]:
-                del track.outstanding[batch_id]
-                if track.running == batch_id:
-                    track.running = None
+                self._forget(track, batch_id)
 
     def forget_worker(self, worker_id: str) -> None:
         self._tracks.pop(worker_id, None)

@@ -47,15 +47,34 @@ local clock = redis.call('TIME')
 local now = tonumber(clock[1]) + tonumber(clock[2]) / 1000000
 """
 
-# Forget expired members of a deadline set and of its arrival set. KEYS: set by deadline, set by arrival or ''.
+# A model's deadline set S (interactive or offline) keeps, for its generation items, their estimated tokens in
+# the hash S:kv and their sum in S:kvsum: what the model's token budget is checked against. forget(S, id) drops
+# an item's tokens wherever the item leaves S.
+_FORGET = """
+local function forget(set, id)
+  local t = redis.call('HGET', set .. ':kv', id)
+  if t then
+    redis.call('HDEL', set .. ':kv', id)
+    redis.call('DECRBY', set .. ':kvsum', t)
+  end
+end
+"""
+
+# Forget expired members of a deadline set (and their tokens) and of its arrival set. KEYS: set by deadline, set
+# by arrival or ''.
 _PURGE = _NOW + """
 local function purge(by_deadline, by_arrival)
   local expired = redis.call('ZRANGEBYSCORE', by_deadline, '-inf', now)
   if #expired > 0 then
     redis.call('ZREMRANGEBYSCORE', by_deadline, '-inf', now)
-    if by_arrival ~= '' then
-      for i = 1, #expired, 1000 do
-        redis.call('ZREM', by_arrival, unpack(expired, i, math.min(i + 999, #expired)))
+    for i = 1, #expired, 1000 do
+      local chunk = {unpack(expired, i, math.min(i + 999, #expired))}
+      if by_arrival ~= '' then redis.call('ZREM', by_arrival, unpack(chunk)) end
+      local held, gone = redis.call('HMGET', by_deadline .. ':kv', unpack(chunk)), 0
+      for j = 1, #chunk do if held[j] then gone = gone + tonumber(held[j]) end end
+      if gone > 0 then
+        redis.call('HDEL', by_deadline .. ':kv', unpack(chunk))
+        redis.call('DECRBY', by_deadline .. ':kvsum', gone)
       end
     end
   end
@@ -67,8 +86,9 @@ end
 #       (deadline), 9 global offline (deadline), 10 this process's owner hash, 11 leases
 # ARGV: 1 interactive cap, 2 model cap, 3 tenant cap, 4 timeout (s), 5 n, 6 priority, 7 offline cap,
 #       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), 11 valid until
-#       (Redis time), item ids..., hashes...
-# Returns 'ok', 'quarantined:<hash>', 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set, or
+#       (Redis time), 12 the model's token budget (0: none), item ids..., hashes..., estimated tokens...
+# Returns 'ok', 'quarantined:<hash>', 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set,
+# 'tokens_full:<n>' with the tokens the model holds, or
 # 'late' when the call reached Redis after its caller stopped waiting for the answer (a link that came back:
 # admitting it then would hold capacity for a call that was already refused).
 # An interactive call counts only the interactive items ahead of it (they go first in every batch); an
@@ -76,7 +96,7 @@ end
 _ADMIT = _PURGE + """
 if now > tonumber(ARGV[11]) then return 'late' end
 local n = tonumber(ARGV[5])
-local first = 12
+local first = 13
 for i = first + n, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
@@ -100,13 +120,24 @@ else
   local interactive_total = redis.call('ZCARD', KEYS[1]) - offline_total
   if interactive_total + n > tonumber(ARGV[1]) then return 'full:' .. interactive_total end
 end
+local need = 0
+for i = first + 2 * n, first + 3 * n - 1 do need = need + tonumber(ARGV[i]) end
+local token_cap = tonumber(ARGV[12])
+if token_cap > 0 and need > 0 then
+  local held = tonumber(redis.call('GET', KEYS[5] .. ':kvsum') or '0')
+    + tonumber(redis.call('GET', KEYS[8] .. ':kvsum') or '0')
+  if held + need > token_cap then return 'tokens_full:' .. held end
+end
 local deadline = now + tonumber(ARGV[4])
+local kv_set = offline and KEYS[8] or KEYS[5]
+if need > 0 then redis.call('INCRBY', kv_set .. ':kvsum', need) end
 redis.call('ZADD', KEYS[11], now + tonumber(ARGV[10]), ARGV[9])
 for i = first, first + n - 1 do
   redis.call('ZADD', KEYS[1], deadline, ARGV[i])
   redis.call('ZADD', KEYS[2], now, ARGV[i])
   redis.call('ZADD', KEYS[4], deadline, ARGV[i])
   redis.call('HSET', KEYS[10], ARGV[i], ARGV[8])
+  if ARGV[i + 2 * n] ~= '0' then redis.call('HSET', kv_set .. ':kv', ARGV[i], ARGV[i + 2 * n]) end
   if offline then
     redis.call('ZADD', KEYS[8], deadline, ARGV[i])
     redis.call('ZADD', KEYS[9], deadline, ARGV[i])
@@ -118,23 +149,35 @@ end
 return 'ok'
 """
 
-# KEYS: the six sets of one call, its owner hash, result keys...; ARGV: the item ids of those keys, in order.
-# Reads the results and releases the admission of every item that has one, in one round trip.
-_COLLECT = """
+# KEYS: the six sets of one call (the fifth: its model's deadline set), its owner hash, result keys...; ARGV: the
+# item ids of those keys, in order. Reads the results and releases the admission of every item that has one,
+# in one round trip.
+_COLLECT = _FORGET + """
 local values = redis.call('MGET', unpack(KEYS, 8))
 for i = 1, #values do
   if values[i] then
     for k = 1, 6 do redis.call('ZREM', KEYS[k], ARGV[i]) end
     redis.call('HDEL', KEYS[7], ARGV[i])
+    forget(KEYS[5], ARGV[i])
   end
 end
 return values
 """
 
+# KEYS: the six sets of one call, its owner hash; ARGV: item ids. Releases them, whatever their state.
+_RELEASE = _FORGET + """
+for i = 1, #ARGV do
+  for k = 1, 6 do redis.call('ZREM', KEYS[k], ARGV[i]) end
+  redis.call('HDEL', KEYS[7], ARGV[i])
+  forget(KEYS[5], ARGV[i])
+end
+return #ARGV
+"""
+
 # KEYS: leases; ARGV: 1 this instance ('' for a reaper holding no lease), 2 lease (s), 3 key prefix of the sets.
 # Renews this process's lease and releases everything admitted by processes whose lease lapsed. Returns how many
 # items it released.
-_RENEW = _NOW + """
+_RENEW = _NOW + _FORGET + """
 if ARGV[1] ~= '' then redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1]) end
 local prefix = ARGV[3]
 local released = 0
@@ -152,6 +195,7 @@ for _, instance in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)) do
     redis.call('ZREM', m, id)
     redis.call('ZREM', m .. ':offline', id)
     redis.call('ZREM', m .. ':arrivals', id)
+    forget(class == 'offline' and m .. ':offline' or m, id)
     released = released + 1
   end
   redis.call('DEL', owner)
@@ -175,6 +219,7 @@ class Verdict(StrEnum):
     TENANT_FULL = "tenant_full"
     QUARANTINED = "quarantined"
     LATE = "late"
+    TOKENS_FULL = "tokens_full"
 
 
 class Decision(NamedTuple):
@@ -214,6 +259,7 @@ class Admission:
         self.lease_s = lease_s
         self._admit = client.register_script(_ADMIT)
         self._collect = client.register_script(_COLLECT)
+        self._release = client.register_script(_RELEASE)
         self._renew = client.register_script(_RENEW)
         self._oldest = client.register_script(_OLDEST)
 
@@ -241,10 +287,12 @@ class Admission:
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
                   timeout_s: float, model_cap: int | None = None, tenant_cap: int | None = None,
-                  valid_until: float | None = None) -> Decision:
+                  valid_until: float | None = None, tokens: Sequence[int] = (), token_cap: int = 0) -> Decision:
         """Admit all items or none, each until Redis's clock passes now + ``timeout_s`` (``now``, this host's
         clock, only names the arrival-rate bucket). A call that reaches Redis after ``valid_until`` (Redis
-        time: the caller has given up on the answer by then) is not admitted: LATE."""
+        time: the caller has given up on the answer by then) is not admitted: LATE. ``tokens``: each item's
+        estimated tokens (generation items; 0 or empty for others), admitted only while the model's admitted
+        tokens stay within ``token_cap`` (0: no token budget): TOKENS_FULL."""
         model = self.model_key(ticket.model)
         keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
                 model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline", self.offline_key,
@@ -254,7 +302,8 @@ class Admission:
                                            self.cap if tenant_cap is None else tenant_cap, timeout_s,
                                            len(item_ids), ticket.priority, self.offline_cap, entry, self.instance,
                                            self.lease_s, NEVER if valid_until is None else valid_until,
-                                           *item_ids, *hashes])
+                                           token_cap, *item_ids, *hashes,
+                                           *(tokens or [0] * len(item_ids))])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         verdict, _, detail = text.partition(":")
         if verdict == Verdict.QUARANTINED:
@@ -267,11 +316,12 @@ class Admission:
 
     def release(self, ticket: Ticket, item_ids: Sequence[str]) -> None:
         if item_ids:
-            pipe = self.client.pipeline(transaction=False)
-            for key in self._sets(ticket):
-                pipe.zrem(key, *item_ids)
-            pipe.hdel(self.owner_key, *item_ids)
-            pipe.execute()
+            self._release(keys=[*self._sets(ticket), self.owner_key], args=list(item_ids))
+
+    def tokens_held(self, model: str) -> int:
+        """Estimated tokens (prompt + max_tokens) of the model's admitted, unanswered generation items."""
+        m = self.model_key(model)
+        return sum(int(v or 0) for v in self.client.mget(m + ":kvsum", m + ":offline:kvsum"))
 
     def renew(self) -> int:
         """Renew this process's lease; release what processes whose lease lapsed had admitted (returns how many

@@ -11,6 +11,8 @@ key                                       type    what
 ``:offline``, ``:t:<tenant>``,                    the admission scripts derive the sub-keys from this
 ``:m:<model>[:arrivals|:offline]``)               base, in Lua too)
 ``<ns>:inflight:m:<model>:rate:<s>``      string  arrivals of one second, for the arrival rate
+``<ns>:inflight:m:<model>[:offline]:kv``  hash    generation item id -> its estimated tokens
+``<ns>:inflight:m:<model>[:offline]:kvsum`` string their sum: checked against the model's token budget
 ``<ns>:inflight:instances``               zset    API processes' leases, scored by expiry
 ``<ns>:inflight:owner:<instance>``        hash    what one API process admitted
 ``<ns>:quarantine`` (+ ``:info``,         set     input hashes refused at the door (:mod:`tasks.state.quarantine`)
