@@ -9,7 +9,6 @@ The KV cache is kept small (8,192 tokens) so that the batcher, not the device, i
 from __future__ import annotations
 
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
