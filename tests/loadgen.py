@@ -25,6 +25,7 @@ from typing import Any
 import requests
 
 from tests.helpers import expected
+from tests.stack import wait_for
 
 LATE_SLACK_S = 1.0  # an answer more than this after the request's deadline is late
 CLIENT_SLACK_S = 5.0  # the client gives up this long after the deadline (status 0, late)
@@ -284,3 +285,14 @@ def report_of(outcomes: list[Outcome], duration_s: float = 0.0) -> LoadReport:
                                            if o.error_type and o.error_message),
         outcomes=outcomes,
     )
+
+
+def warm(load: SteadyLoad, answered: int = 40, timeout_s: float = 30) -> None:
+    """Let the load run until ``answered`` requests came back, so a fault lands on a system in full flow."""
+    wait_for(lambda: load.answered() >= answered, timeout_s, f"{answered} answers before the fault")
+
+
+def carry_on(load: SteadyLoad, seconds: float = 2.0, timeout_s: float = 30) -> None:
+    """Keep the load on for ``seconds`` more of arrivals (a count of arrivals, not a sleep)."""
+    mark = load.sent + int(seconds * load.rate)
+    wait_for(lambda: load.sent >= mark, timeout_s, f"{mark} requests sent")

@@ -62,7 +62,7 @@ import requests
 from kombu import Connection
 
 from tests.helpers import expected
-from tests.loadgen import LoadReport, SteadyLoad
+from tests.loadgen import LoadReport, SteadyLoad, carry_on, warm
 from tests.stack import ROOT, wait_for
 
 T = TypeVar("T")
@@ -732,18 +732,6 @@ def hosts(**kwargs: Any) -> Iterator[Hosts]:
     """``with hosts(...) as h:`` the same as ``with Hosts(...) as h:``."""
     with Hosts(**kwargs) as h:
         yield h
-
-
-# -- load helpers (the same as tests/test_faults.py's, kept here so that bench/ needs no test module) ---------
-def warm(load: SteadyLoad, answered: int = 40, timeout_s: float = 30) -> None:
-    """Let the load run until ``answered`` requests came back, so a fault lands on a system in full flow."""
-    wait_for(lambda: load.answered() >= answered, timeout_s, f"{answered} answers before the fault")
-
-
-def carry_on(load: SteadyLoad, seconds: float = 2.0, timeout_s: float = 30) -> None:
-    """Keep the load on for ``seconds`` more of arrivals (a count of arrivals, not a sleep)."""
-    mark = load.sent + int(seconds * load.rate)
-    wait_for(lambda: load.sent >= mark, timeout_s, f"{mark} requests sent")
 
 
 def outcome_counts(report: LoadReport, timeout_ms: float) -> dict[str, Any]:

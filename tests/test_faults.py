@@ -28,7 +28,7 @@ import pytest
 import requests
 
 from tests.helpers import assert_json_error, expected, post
-from tests.loadgen import LoadReport, SteadyLoad
+from tests.loadgen import LoadReport, SteadyLoad, carry_on, warm
 from tests.stack import Stack, alive, wait_for
 
 pytestmark = pytest.mark.fault
@@ -114,17 +114,6 @@ def steady() -> Iterator[Steady]:
     for load in loads:
         if not load.stopped:
             load.stop()
-
-
-def warm(load: SteadyLoad, answered: int = 40, timeout_s: float = 30) -> None:
-    """Let the load run until ``answered`` requests came back, so the fault lands on a system in full flow."""
-    wait_for(lambda: load.answered() >= answered, timeout_s, f"{answered} answers before the fault")
-
-
-def carry_on(load: SteadyLoad, seconds: float = 2.0, timeout_s: float = 30) -> None:
-    """Keep the load on for ``seconds`` more of arrivals (a count, not a sleep)."""
-    mark = load.sent + int(seconds * load.rate)
-    wait_for(lambda: load.sent >= mark, timeout_s, f"{mark} requests sent")
 
 
 def resumed(s: Stack) -> None:
