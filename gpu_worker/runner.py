@@ -68,13 +68,19 @@ class WorkerState:
             self._recent.append((now, run_s, tokens))
 
     def rates(self, now: float) -> tuple[float, float]:
-        """(tokens per second, fraction of time busy) over the last ``window_s``."""
+        """(tokens per second, fraction of time busy) over the last ``window_s``. Busy time is the union of
+        the batches' run intervals: batches that run at once (continuous batching's slots) count once."""
         with self._lock:
             while self._recent and now - self._recent[0][0] > self.window_s:
                 self._recent.popleft()
             span = min(self.window_s, max(now - self._since, 1e-6))
-            busy = sum(r for _, r, _ in self._recent)
+            intervals = sorted((max(end - run, now - span), end) for end, run, _ in self._recent)
             tokens = sum(t for _, _, t in self._recent)
+        busy, reach = 0.0, float("-inf")
+        for start, end in intervals:
+            if end > reach:
+                busy += end - max(start, reach)
+                reach = end
         return tokens / span, min(1.0, busy / span)
 
     def free_in_ms(self, now: float) -> float:
@@ -183,7 +189,9 @@ class BatchRunner:
         self.state.started(started_at)
         self.announce(BatchEvent(self.worker_id, batch.id, "started"))
         try:
-            outputs = self.backend.run([i.input for i in live], [i.params for i in live], self._hooks(live))
+            early: set[int] = set()  # positions answered as they finished, before the batch did
+            hooks = self._hooks(live, batch.id, started_at, t0, early)
+            outputs = self.backend.run([i.input for i in live], [i.params for i in live], hooks)
             if len(outputs) != len(live):
                 raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(live)} inputs")
         except Exception as exc:  # the model is a black box: any failure sends the batch back for isolation
@@ -213,7 +221,8 @@ class BatchRunner:
                      for o in outputs if isinstance(o, dict))
         self.state.add_work(run_ms / 1000, tokens, self.state.clock())
         def write() -> bool:
-            self.writer.write(list(zip(live, results)), done_key=self.claims.key(batch.id),
+            self.writer.write([(i, r) for p, (i, r) in enumerate(zip(live, results)) if p not in early],
+                              done_key=self.claims.key(batch.id),
                               extra=lambda pipe: self.observe(pipe, len(live), run_ms / 1000, tokens))
             return True
 
@@ -229,16 +238,31 @@ class BatchRunner:
                  extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
         return {**summary, "run_ms": round(run_ms, 1), **({"tokens_by_tenant": by_tenant} if by_tenant else {})}
 
-    def _hooks(self, live: tuple[BatchItem, ...]) -> Hooks:
-        """Streaming and cancellation for generating backends, by position in the batch."""
+    def _hooks(self, live: tuple[BatchItem, ...], batch_id: str, started_at: float, t0: float,
+               early: set[int]) -> Hooks:
+        """Streaming, cancellation and early answers for generating backends, by position in the batch."""
         def stream(deltas: list[tuple[int, str]]) -> None:
             try:
                 publish_deltas(self.writer.client, [(live[p].reply_to, live[p].id, text) for p, text in deltas])
             except redis.RedisError as exc:  # the final result still carries the whole text
                 log.warning("could not stream text: %s", exc)
 
+        def done(p: int, output: Any) -> None:
+            """A row finished while others of its batch run on: answer its caller now, not when the longest row
+            ends. Best effort: if Redis refuses, the batch's final write answers it. A rerun of the batch (a
+            fault later) skips it: it has an answer."""
+            if isinstance(output, ItemError) or p in early:
+                return
+            result = ItemResult(output=output, batch_id=batch_id, batch_size=len(live), worker=self.worker_id,
+                                started_at=started_at, run_ms=round((time.monotonic() - t0) * 1000, 3))
+            try:
+                self.writer.write([(live[p], result)])
+                early.add(p)
+            except redis.RedisError as exc:
+                log.warning("could not answer item %s early: %s", live[p].id, exc)
+
         return Hooks(streaming={p for p, i in enumerate(live) if i.params.get("stream")}, stream=stream,
-                     cancelled=lambda p: live[p].id in self.cancelled)
+                     cancelled=lambda p: live[p].id in self.cancelled, done=done)
 
     def _hand_back(self, batch: Batch, failure: Failure, error: str, blame: str = "") -> None:
         """Give the batch back to the batchers; if that fails, requeue it so nothing is lost."""

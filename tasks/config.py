@@ -25,7 +25,7 @@ class Settings:
     served_name: str = ""
     max_tokens_cap: int = 1024
     device_price_per_hour: float = 2.0
-    hf_mode: str = "continuous"
+    hf_mode: str = "static"
     cb_slots: int = 4
     cb_num_blocks: int = 256
     cb_page_size: int = 32
@@ -79,6 +79,17 @@ class Settings:
     store_inputs: bool = False
     ledger_buffer: int = 10_000
     dispatch_lead_ms: float = 15.0
+
+    files_dir: str = "var/files"
+    max_file_bytes: int = 209_715_200
+    jobs_max_lines: int = 50_000
+    jobs_poll_s: float = 1.0
+    jobs_lease_s: float = 30.0
+    jobs_max_active: int = 8
+    jobs_initial_in_flight: int = 100
+    jobs_max_in_flight: int = 1000
+    jobs_line_timeout_ms: int = 120_000
+    jobs_nice: int = 10
 
     sim_batch_ms: float = 250.0
     sim_item_ms: float = 0.0
@@ -158,7 +169,7 @@ DOCS: dict[str, str] = {
     "default_model": "Model used when a request names none.",
     "served_name": "Name a GPU worker serves its model under (default: the hub id, or a local folder's name).",
     "max_tokens_cap": "Largest max_tokens a completion request may ask for.",
-    "hf_mode": "hf-causal workers: 'continuous' (requests join and leave the running batch at every step) or 'static' (one padded generate() per batch).",
+    "hf_mode": "hf-causal workers: 'static' (one padded generate() per batch; the default, measured faster on this CPU: see Real models) or 'continuous' (greedy requests join and leave the running batch at every step; sampled ones still run static).",
     "cb_slots": "Continuous mode: batches a worker runs at once (their requests share the decode batch).",
     "cb_num_blocks": "Continuous mode: KV-cache pages; pages x page size is the token budget the worker advertises.",
     "cb_page_size": "Continuous mode: tokens per KV-cache page.",
@@ -205,6 +216,16 @@ DOCS: dict[str, str] = {
     "store_inputs": "Keep each input's text in the ledger (needed by `llmb-admin replay` and `requeue`).",
     "ledger_buffer": "Ledger records a process keeps while the database is unreachable; beyond that they are dropped and counted.",
     "dispatch_lead_ms": "A busy worker's next batch is sent this long before its running batch should end; until then it keeps filling.",
+    "files_dir": "Batch API: folder holding uploaded input files and the output and error files of batch jobs (every API process and `llmb-jobs` must see the same folder: a shared volume across hosts).",
+    "max_file_bytes": "Batch API: largest file `POST /v1/files` takes (bigger: 413).",
+    "jobs_max_lines": "Batch API: most lines (requests) in one batch's input file.",
+    "jobs_poll_s": "`llmb-jobs`: how often it looks in the database for batch jobs to run, and renews the leases of those it runs.",
+    "jobs_lease_s": "`llmb-jobs`: a job's lease; a process that stops renewing it (killed, cut off) loses the job this long after its last renewal, and another process (or its restart) takes it over.",
+    "jobs_max_active": "`llmb-jobs`: batch jobs one process runs at once (the others wait their turn).",
+    "jobs_initial_in_flight": "`llmb-jobs`: lines of a job in flight at its start (one full batch); the number grows while lines are admitted and answered promptly (within 3 times the fastest answer) and halves on 429.",
+    "jobs_max_in_flight": "`llmb-jobs`: most lines of one tenant's jobs in flight at once, per process.",
+    "jobs_line_timeout_ms": "`llmb-jobs`: deadline of each batch line that gives no timeout_ms (offline: at most LLMB_OFFLINE_MAX_TIMEOUT_MS); a line past it is sent again, as a new run. It also bounds how long a line sent again after a crash waits for its first run.",
+    "jobs_nice": "`llmb-jobs`: the niceness it runs at (Unix `nice`, 0-19): where it shares CPUs with API processes, their callers go first, as interactive items do in every batch.",
     "heartbeat_interval_s": "How often a GPU worker reports to Redis.",
     "heartbeat_stale_factor": "A worker silent for this many intervals leaves the pool.",
     "max_outstanding_batches": "Batches sent to one worker and not finished (one running, one waiting); beyond it the batcher keeps accumulating.",

@@ -7,6 +7,7 @@ class BatchingError(Exception):
 
     status = 500
     type = "internal_error"
+    replay_of: str | None = None  # set on an idempotent retry's answer: the request id of the call that gave it
 
     def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
         super().__init__(message)
@@ -33,6 +34,20 @@ class Forbidden(BatchingError):
 
     status = 403
     type = "forbidden"
+
+
+class IdempotencyConflict(BatchingError):
+    """Raised when an Idempotency-Key is used again, by the same tenant, for a different request (another body,
+    or another route) while it still names the first one."""
+
+    status = 409
+    type = "idempotency_conflict"
+
+
+class IdempotencyInProgress(IdempotencyConflict):
+    """Raised when a streamed call is retried with its Idempotency-Key while the first stream still runs."""
+
+    type = "idempotency_in_progress"
 
 
 class PayloadTooLarge(BatchingError):

@@ -80,6 +80,10 @@ class Stack:
     def start_batcher(self, name: str = "batcher", **env: object) -> subprocess.Popen[bytes]:
         return self._spawn(name, [str(BIN / "llmb-batcher"), "--hostname", f"{name}.{self.namespace}@test"], **env)
 
+    def start_jobs(self, name: str = "jobs", **env: object) -> subprocess.Popen[bytes]:
+        """An `llmb-jobs` process (the Batch API's job runner)."""
+        return self._spawn(name, [str(BIN / "llmb-jobs")], **env)
+
     FLOWER_AUTH = ("ops", "flower-test-secret")
 
     def start_flower(self) -> str:

@@ -244,3 +244,16 @@ def test_a_stopping_worker_hands_back_its_prefetched_batch_and_finishes_the_runn
         assert not json.loads(s.admin("quarantine", "list", "--json").stdout)
     finally:
         s.close()
+
+
+def test_a_workers_busy_fraction_counts_batches_running_at_once_once() -> None:
+    """Continuous batching runs several batches at once: the device is busy while any runs, not their sum."""
+    from gpu_worker.runner import WorkerState
+
+    state = WorkerState(window_s=60.0, clock=lambda: 0.0)
+    state.add_work(10.0, 100, now=10.0)  # ran 0..10
+    state.add_work(5.0, 100, now=10.0)   # ran 5..10, beside it
+    state.add_work(4.0, 100, now=30.0)   # ran 26..30
+    tokens_per_s, busy = state.rates(now=60.0)
+    assert busy == pytest.approx(14 / 60)
+    assert tokens_per_s == pytest.approx(300 / 60)

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.stack import Stack
+from tests.stack import Stack, wait_for
 
 KV_TOKENS, CONTEXT = 2048, 512
 
@@ -78,3 +78,24 @@ def test_tokens_admitted_stay_within_the_budget_and_a_worker_never_holds_more_th
     assert max(seen) > 0, "the worker never reported KV in use"
     assert max(seen) <= KV_TOKENS, f"the worker held {max(seen)} KV tokens, over its {KV_TOKENS}"
     assert all(r.json()["usage"]["completion_tokens"] == 100 for r in answers if r.status_code == 200)
+
+
+def test_a_short_answer_does_not_wait_for_the_long_one_in_its_batch(tmp_path: Path) -> None:
+    """Continuous batching: two calls in one batch, 4 and 400 tokens to generate; the short one is answered as
+    its row finishes, while the long one is still generating (not when the batch ends)."""
+    s = Stack(tmp_path, sim_lm_eos_mean=0, wait_mode="fixed", max_wait_ms=300)
+    try:
+        s.start_worker(0, backend="sim-lm")
+        s.start_batcher()
+        s.start_web(workers=1)
+        s.wait_ready(workers=1)
+        with ThreadPoolExecutor(2) as pool:
+            long = pool.submit(complete, s.url, "a long answer", 400)
+            short = pool.submit(complete, s.url, "a short answer", 4)
+            assert short.result().status_code == 200, short.result().text
+            assert not long.done(), "the short answer came only when the whole batch was done"
+            assert long.result().status_code == 200
+        assert long.result().json()["usage"]["completion_tokens"] == 400
+        wait_for(lambda: " size=2 " in s.log("gpu0"), 10, "the worker's log of the batch the two calls shared")
+    finally:
+        s.close()

@@ -26,7 +26,7 @@ LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 @pytest.fixture(scope="module")
 def models_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = build_tiny_llama(Path(tmp_path_factory.mktemp("models")) / LM)
-    s = Stack(Path(tmp_path_factory.mktemp("openai")), max_tokens_cap=64)
+    s = Stack(Path(tmp_path_factory.mktemp("openai")), max_tokens_cap=64, hf_mode="continuous")
     try:
         s.start_worker(0, backend="hf-causal", model=str(folder))
         s.start_worker(1, backend="hf-embed")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 
 from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -14,7 +15,8 @@ from tasks.broker.gateway import Answer
 from tasks.config import Settings
 from tasks.logs import setup_logging
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
-from webapp import admin_api, openai_api, tenancy
+from tasks.state.requests import Shape
+from webapp import admin_api, answers, batch_api, openai_api, requests_api, tenancy
 from webapp.body import read_json
 from webapp.door import DoorMiddleware
 from webapp.errors import register_error_handlers
@@ -42,6 +44,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     @app.after_request
     def _account(response: Response) -> Response:
         response.headers["X-Request-Id"] = g.get("request_id", "")
+        if g.get("replayed"):  # an idempotent retry, answered with the first call's answer
+            response.headers["Idempotent-Replayed"] = "true"
         if is_inference(request.path):
             log_outcome(response)
         return response
@@ -49,6 +53,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     register_error_handlers(app)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(admin_api.bp)
+    app.register_blueprint(requests_api.bp)
+    app.register_blueprint(batch_api.bp)
     app.add_url_rule("/v1/infer", view_func=infer, methods=["POST"])
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)
@@ -80,30 +86,15 @@ def infer() -> Response:
     call = parse_infer(body, settings, g.request_id, g.claimed_tenant)
     # without keys the body's "tenant" names the caller (over X-Tenant); with keys it must be the key's
     call = tenancy.bind_caller(call, claimed_tenant=body.get("tenant") or g.claimed_tenant)
-    answer = services().gateway.submit(call)
+    shape = Shape("infer", single="input" in body)
+    answer = answers.noted(services().gateway.submit(call, shape=shape, idempotency=answers.idempotency(body)))
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
-    return jsonify(_render(call.request_id, answer, single="input" in body, started=g.started))
+    return jsonify(answers.render(shape, call.model, answer, started=g.started))
 
 
 def _render(request_id: str, answer: Answer, *, single: bool, started: float) -> dict[str, object]:
-    results = answer.results
-    batches: dict[str, int] = {}
-    for r in results:
-        batches.setdefault(r.batch_id, r.batch_size)
-    batch_list = [{"id": b, "size": n} for b, n in batches.items()]
-    body: dict[str, object] = {"id": request_id}
-    if single:
-        body["output"] = results[0].output
-    else:
-        body["outputs"] = [r.output for r in results]
-        body["batches"] = batch_list
-    body["batch"] = batch_list[0]
-    body["timing"] = {
-        "queued_ms": round(max((r.started_at - answer.accepted_at) * 1000 for r in results), 1),
-        "run_ms": round(max(r.run_ms for r in results), 1),
-        "total_ms": round((time.monotonic() - started) * 1000, 1),
-    }
-    return body
+    """/v1/infer's answer body for ``request_id`` (:func:`webapp.answers.native`)."""
+    return answers.native(replace(answer, request_id=request_id, total_ms=None), single=single, started=started)
 
 
 def healthz() -> Response:

@@ -25,8 +25,9 @@ HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed
 
 
 OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                404: "invalid_request_error", 408: "timeout", 413: "invalid_request_error",
-                422: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+                404: "invalid_request_error", 408: "timeout", 409: "invalid_request_error",
+                413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
+                503: "service_unavailable", 504: "timeout"}
 
 
 def error_body(type_: str, message: str, request_id: str | None) -> dict[str, object]:
@@ -71,6 +72,8 @@ def exception_response(exc: Exception, shape: ErrorShape = NATIVE) -> Response:
     """The one mapping of an exception to its answer: a BatchingError says its own status and type, an
     HTTPException its code, anything else is a logged 500."""
     if isinstance(exc, BatchingError):
+        if exc.replay_of:  # an idempotent retry answered with the first call's error: under the first's id
+            g.request_id, g.replayed = exc.replay_of, True
         return error_response(exc.status, exc.type, exc.message, exc.retry_after_s, shape)
     if isinstance(exc, HTTPException):
         status = exc.code or 500

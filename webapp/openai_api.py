@@ -14,22 +14,15 @@ from typing import Any, TypeVar
 
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 
-from tasks.broker.gateway import Call
+from tasks.broker.gateway import Answer, Call
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
 from tasks.schema import Priority
-from webapp import tenancy
+from tasks.state.requests import Shape
+from webapp import answers, tenancy
 from webapp.body import read_json
 from webapp.errors import OPENAI, register_error_handlers
-from webapp.openai_schema import (
-    chat_response,
-    chunk,
-    completion_response,
-    embeddings_response,
-    parse_chat,
-    parse_completion,
-    parse_embeddings,
-)
+from webapp.openai_schema import chunk, parse_chat, parse_completion, parse_embeddings
 from webapp.services import services
 
 bp = Blueprint("openai", __name__)
@@ -53,6 +46,7 @@ def _parsed(parse: Callable[[Any, Settings, str, str], tuple[Call, T]]) -> tuple
     settings = services().settings
     body = read_json(settings)
     call, extra = parse(body, settings, g.request_id, g.claimed_tenant or "default")
+    g.idempotency = answers.idempotency(body)
     return tenancy.bind_caller(_with_priority(call, body), claimed_tenant=g.claimed_tenant), extra
 
 
@@ -63,11 +57,11 @@ def _with_priority(call: Call, body: Any) -> Call:
     return replace(call, priority=Priority.OFFLINE if offline else Priority.INTERACTIVE)
 
 
-def _run(call: Call, endpoint: str) -> Any:
+def _run(call: Call, endpoint: str, shape: Shape) -> Answer:
     _check_model(call, endpoint)
-    answer = services().gateway.submit(call)
+    answer = answers.noted(services().gateway.submit(call, shape=shape, idempotency=g.get("idempotency")))
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
-    return answer.results
+    return answer
 
 
 def _check_model(call: Call, endpoint: str) -> None:
@@ -80,10 +74,14 @@ def _check_model(call: Call, endpoint: str) -> None:
                            f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}")
 
 
-def _sse(call: Call, endpoint: str) -> Response:
-    """Server-sent events in OpenAI's chunk format; refusals (429, 400...) happen before the stream starts."""
+def _sse(call: Call, endpoint: str, shape: Shape) -> Response:
+    """Server-sent events in OpenAI's chunk format; refusals (429, 400...) happen before the stream starts. An
+    idempotent retry of a finished stream gets its whole text in one chunk."""
     _check_model(call, endpoint)
-    events = services().gateway.stream(call)
+    events = services().gateway.stream(call, shape=shape, idempotency=g.get("idempotency"))
+    if events.replayed:
+        g.request_id, g.replayed = events.request_id, True
+        call = replace(call, request_id=events.request_id)
     chat = endpoint == "chat"
 
     def generate() -> Iterator[str]:
@@ -118,25 +116,28 @@ def _data(payload: dict[str, Any]) -> str:
 @tenancy.authenticated
 def completions() -> Response:
     call, stream = _parsed(parse_completion)
+    shape = Shape("completions", stream=stream)
     if stream:
-        return _sse(call, "completions")
-    return jsonify(completion_response(call.request_id, call.model, _run(call, "completions")))
+        return _sse(call, "completions", shape)
+    return jsonify(answers.render(shape, call.model, _run(call, "completions", shape)))
 
 
 @bp.post("/v1/chat/completions")
 @tenancy.authenticated
 def chat_completions() -> Response:
     call, stream = _parsed(parse_chat)
+    shape = Shape("chat", stream=stream)
     if stream:
-        return _sse(call, "chat")
-    return jsonify(chat_response(call.request_id, call.model, _run(call, "chat")))
+        return _sse(call, "chat", shape)
+    return jsonify(answers.render(shape, call.model, _run(call, "chat", shape)))
 
 
 @bp.post("/v1/embeddings")
 @tenancy.authenticated
 def embeddings() -> Response:
     call, encoding = _parsed(parse_embeddings)
-    return jsonify(embeddings_response(call.model, _run(call, "embeddings"), encoding))
+    shape = Shape("embeddings", encoding=encoding)
+    return jsonify(answers.render(shape, call.model, _run(call, "embeddings", shape)))
 
 
 @bp.get("/v1/models")

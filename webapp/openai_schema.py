@@ -115,16 +115,20 @@ def _usage(results: tuple[ItemResult, ...]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def completion_response(request_id: str, model: str, results: tuple[ItemResult, ...]) -> dict[str, Any]:
-    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": int(time.time()), "model": model,
+def completion_response(request_id: str, model: str, results: tuple[ItemResult, ...],
+                        created: int | None = None) -> dict[str, Any]:
+    created = int(time.time()) if created is None else created
+    return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": r.output["text"], "logprobs": None,
                          "finish_reason": r.output["finish_reason"]} for i, r in enumerate(results)],
             "usage": _usage(results)}
 
 
-def chat_response(request_id: str, model: str, results: tuple[ItemResult, ...]) -> dict[str, Any]:
+def chat_response(request_id: str, model: str, results: tuple[ItemResult, ...],
+                  created: int | None = None) -> dict[str, Any]:
     r = results[0]
-    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": int(time.time()),
+    created = int(time.time()) if created is None else created
+    return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
             "model": model, "choices": [{"index": 0, "logprobs": None, "finish_reason": r.output["finish_reason"],
                                          "message": {"role": "assistant", "content": r.output["text"]}}],
             "usage": _usage(results)}

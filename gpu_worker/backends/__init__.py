@@ -28,6 +28,8 @@ class Hooks:
     streaming: set[int] = field(default_factory=set)  # items whose text should be streamed as it comes
     stream: Callable[[list[tuple[int, str]]], None] = lambda deltas: None  # called once per decoding step
     cancelled: Callable[[int], bool] = lambda position: False  # the caller is gone: stop generating for it
+    # a row finished before the rest of its batch (continuous batching): its caller may be answered now
+    done: Callable[[int, Any], None] = lambda position, output: None
 
 
 class Backend(Protocol):

@@ -180,6 +180,7 @@ class SimLMBackend:
                     raise RuntimeError(f"simulated device failed: {output}")
                 if kind == "done":
                     outputs[index] = output
+                    hooks.done(index, output)
                     pending -= 1
 
     def _static(self, seqs: list[Seq], inbox: queue.SimpleQueue[Event]) -> None:

@@ -9,9 +9,10 @@ import logging
 import threading
 import time
 import uuid
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 import redis
 from amqp.exceptions import AMQPError
@@ -22,6 +23,8 @@ from tasks.config import Settings
 from tasks.errors import (
     BatchingError,
     DeadlineExceeded,
+    IdempotencyConflict,
+    IdempotencyInProgress,
     InferenceFailed,
     InvalidInput,
     Overloaded,
@@ -40,12 +43,16 @@ from tasks.state.clock import SharedClock
 from tasks.state.connect import PoolExhausted
 from tasks.state.fleet import Fleet, FleetCache
 from tasks.state.keys import Keys
+from tasks.state.requests import Claim, Idempotency, Outcome, Record, Requests, Shape, State, View
 from tasks.state.results import ResultListener
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 BROKER_ERRORS = (KombuError, AMQPError, OSError)
 REDIS_TIMEOUT_S = 5.0  # an API process's Redis commands: longest wait for an answer
+FOLLOW_CHECK_S = 0.2  # an idempotent retry waiting on the first call looks at its record this often
+OUTCOME_POLL_S = 0.05  # ... and this often once the results are in, until the live first call records its answer
 # An admission reaching Redis later than this after it was sent is refused by the script itself: its caller
 # may have had a timeout by then (503), and admitting it would hold capacity nobody releases.
 ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
@@ -77,6 +84,18 @@ def error_of(result: ItemResult) -> BatchingError:
     return _ERRORS.get(result.error or "", InferenceFailed)(result.message or "the model failed on this input")
 
 
+def _replayed_error(record: Record, outcome: Outcome) -> BatchingError:
+    """The error a recorded call was answered with, again (same status, type and message; the first's id)."""
+    error = BatchingError(outcome.message)
+    error.status, error.type, error.replay_of = outcome.status, outcome.type, record.request_id
+    return error
+
+
+def _replayed(result: ItemResult) -> Generator[tuple[str, Any], None, None]:
+    """A finished stream's events, for an idempotent retry: its whole result at once."""
+    yield "done", result
+
+
 @dataclass(frozen=True)
 class Call:
     """One validated API call."""
@@ -99,6 +118,60 @@ class Answer:
 
     results: tuple[ItemResult, ...]
     accepted_at: float
+    request_id: str = ""  # the call that ran: this one, or the first one for an idempotent retry (``replayed``)
+    total_ms: float | None = None  # arrival to answer, as the server saw it
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class Lookup:
+    """A call as ``GET /v1/requests/<id>`` shows it: running, or finished with its answer or its error."""
+
+    record: Record
+    state: State
+    present: int  # items with a result
+    answer: Answer | None = None
+    error: BatchingError | None = None
+
+
+class Events:
+    """A streamed call's events (see :meth:`Gateway.stream`): iterate them; closing early cancels the generation.
+    ``request_id`` is the call's (the first call's, for a replayed idempotent retry)."""
+
+    def __init__(self, request_id: str, events: Generator[tuple[str, Any], None, None], replayed: bool = False) -> None:
+        self.request_id = request_id
+        self.replayed = replayed
+        self._events = events
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self._events
+
+    def close(self) -> None:
+        self._events.close()
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """A call checked and ready to be admitted: its request, its record, its time and its tokens."""
+
+    request: InferenceRequest
+    record: Record
+    remaining_s: float
+    deadline: float  # monotonic
+    item_tokens: list[int]
+    token_cap: int
+
+
+@dataclass(frozen=True)
+class _Entered:
+    """A call admitted and published by this process."""
+
+    ids: list[str]
+    deadline: float  # monotonic
+    accepted_at: float
+    record: Record
+    idempotency: Idempotency | None
+    waiter: Any  # the result listener's, registered before the request was published
 
 
 class Gateway:
@@ -108,7 +181,9 @@ class Gateway:
         self.publisher = publisher
         self.keys = Keys.from_settings(settings)
         self.reply_to = self.keys.replies(instance_id)
+        self.instance_id = instance_id
         self.admission = Admission.from_settings(settings, client, instance_id)
+        self.requests = Requests.from_settings(settings, client)
         self._lease_started = False
         # Times other hosts compare with (deadlines sent to batchers and workers, heartbeats read) are on the
         # fleet's shared clock; this process's own waits run on its monotonic clock.
@@ -145,52 +220,179 @@ class Gateway:
         """Reads a call's results and releases the admission of those that have one, in one round trip."""
         return lambda ids: self.admission.collect(ticket, ids, [self.result_key(i) for i in ids])
 
-    def submit(self, call: Call) -> Answer:
-        """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure."""
-        ids, deadline, accepted_at = self._enter(call)
+    def submit(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Answer:
+        """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure.
+
+        Every admitted call is recorded (its items, ``shape``, outcome) for ``GET /v1/requests/<id>``. With
+        ``idempotency``, a call whose key already names an earlier call of the tenant is not run: it waits for
+        that call (within its own deadline) and gets its answer, or IdempotencyConflict if the body differs."""
+        entered = self._enter(call, shape or Shape(), idempotency, follow=True)
+        if isinstance(entered, Answer):
+            return entered
+        ids, deadline = entered.ids, entered.deadline
         ticket = Ticket(call.tenant, call.model, call.priority)
         found: dict[str, ItemResult] = {}
         try:
-            found = self.listener.wait(ids, deadline, self._reader(ticket))
+            found = self.listener.wait(ids, deadline, self._reader(ticket), waiter=entered.waiter)
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
         finally:  # items with a result were released as they were read: release the rest
             self._release(ticket, [i for i in ids if i not in found])
+        total_ms = round((time.monotonic() - (call.received_at or entered.deadline - call.timeout_ms / 1000)) * 1000, 1)
         if len(found) < len(ids):
+            error: BatchingError = DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
+            self._settle(entered, error)  # before the cancel: a retry must never take a cancelled output for it
             self.cancel([i for i in ids if i not in found])
-            raise DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
+            raise error
         results = tuple(found[i] for i in ids)
         failed = next((r for r in results if r.error), None)
         if failed is not None:
-            raise error_of(failed)
-        return Answer(results=results, accepted_at=accepted_at)
+            error = error_of(failed)
+            self._settle(entered, error, results=results)
+            raise error
+        self._settle(entered, None, total_ms, results)
+        return Answer(results=results, accepted_at=entered.accepted_at, request_id=call.request_id, total_ms=total_ms)
 
-    def stream(self, call: Call) -> Generator[tuple[str, Any], None, None]:
+    def stream(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Events:
         """Admit and publish a one-input call now (so refusals raise here), then return its events:
         ("delta", text) as the worker streams, then ("done", ItemResult) or ("error", BatchingError).
-        Closing the iterator early (the client went away) cancels the generation in the worker."""
+        Closing the iterator early (the client went away) cancels the generation in the worker, and forgets the
+        call (a retry with its idempotency key runs it again).
+
+        An idempotent retry of a finished stream gets the first call's result as one ("done", ItemResult); of a
+        stream still running, IdempotencyInProgress (409): its text went to the first caller."""
         if len(call.inputs) != 1:
             raise InvalidInput("streaming takes exactly one prompt")
-        ids, deadline, _ = self._enter(replace(call, params={**call.params, "stream": True}))
-        return self._events(Ticket(call.tenant, call.model, call.priority), ids[0], deadline)
+        call = replace(call, params={**call.params, "stream": True})
+        entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
+        if isinstance(entered, Answer):
+            return Events(entered.request_id, _replayed(entered.results[0]), replayed=True)
+        return Events(call.request_id, self._events(Ticket(call.tenant, call.model, call.priority), entered))
 
-    def _events(self, ticket: Ticket, item_id: str, deadline: float) -> Generator[tuple[str, Any], None, None]:
-        finished = False
+    def _events(self, ticket: Ticket, entered: _Entered) -> Generator[tuple[str, Any], None, None]:
+        item_id, finished, settled = entered.ids[0], False, False
         try:
-            for kind, value in self.listener.stream(item_id, deadline, self._reader(ticket)):
+            for kind, value in self.listener.stream(item_id, entered.deadline, self._reader(ticket),
+                                                    waiter=entered.waiter):
                 if kind == "delta":
                     yield kind, value
                 elif kind == "done":
                     finished = True
-                    yield ("error", error_of(value)) if value.error else ("done", value)
+                    error = error_of(value) if value.error else None
+                    settled = self._settle(entered, error, results=(value,))
+                    yield ("error", error) if error else ("done", value)
                 else:
-                    yield "error", DeadlineExceeded("no complete output before the deadline")
+                    error = DeadlineExceeded("no complete output before the deadline")
+                    settled = self._settle(entered, error)
+                    yield "error", error
         except redis.RedisError as exc:
+            settled = True  # nothing can be recorded now; the record keeps what it had
             yield "error", Unavailable(f"Redis is unreachable while streaming: {exc}")
         finally:
+            if not settled:  # the client went away mid-stream: forget the call before its generation stops
+                self._forget(entered.record, entered.idempotency)
             if not finished:
                 self.cancel([item_id])
                 self._release(ticket, [item_id])
+
+    # -- calls by id, idempotency ---------------------------------------------------------------------
+    def lookup(self, tenant: str, request_id: str) -> Lookup | None:
+        """The tenant's call of this id (None: unknown to this tenant, or expired)."""
+        view = self._redis(partial(self.requests.look, tenant, request_id))
+        return None if view is None else self._redis(partial(self._outcome_of, view))
+
+    def _outcome_of(self, view: View) -> Lookup | None:
+        """What a recorded call came to, from its record and its results (None: its results expired)."""
+        record = view.record
+        outcome = record.outcome
+        running = Lookup(record, State.RUNNING, view.present)
+        if outcome is not None and outcome.status != 200:
+            return Lookup(record, State.FAILED, view.present, error=_replayed_error(record, outcome))
+        if view.expired:
+            error = DeadlineExceeded(f"no output before the deadline of request {record.request_id!r}")
+            error.replay_of = record.request_id
+            return Lookup(record, State.FAILED, view.present, error=error)
+        if outcome is None and not view.results_decide:
+            return running
+        found = self.requests.results(record)
+        results = tuple(r for r in found if r is not None)
+        if len(results) < len(found):
+            return None
+        failed = next((r for r in results if r.error), None)
+        if failed is not None:
+            item_error = error_of(failed)
+            item_error.replay_of = record.request_id
+            return Lookup(record, State.FAILED, view.present, error=item_error)
+        # no outcome (its API process died): answered when the last item finished on its worker
+        total_ms = outcome.total_ms if outcome is not None else round(
+            max((r.started_at + r.run_ms / 1000 - record.accepted_at) * 1000 for r in results), 1)
+        return Lookup(record, State.COMPLETED, view.present,
+                      answer=Answer(results, record.accepted_at, record.request_id, total_ms, replayed=True))
+
+    def _follow(self, call: Call, idempotency: Idempotency, claim: Claim, deadline: float,
+                follow: bool) -> Answer | None:
+        """An idempotent retry: the first call's answer (or its error, raised), waiting for it within this call's
+        deadline while it runs (``follow``; else IdempotencyInProgress); None when the first call is forgotten
+        meanwhile (refused before it ran: this one should run)."""
+        while True:
+            view = claim.view
+            if view is None:
+                return None
+            if not claim.same_body:
+                raise IdempotencyConflict(
+                    f"this Idempotency-Key was used for a different request (request {view.record.request_id!r}, "
+                    "another body or route); use a new key for a new request")
+            found = self._redis(partial(self._outcome_of, view))
+            if found is None:  # its record outlived its results: nothing to answer with; run it again
+                self._forget(view.record, idempotency)
+                return None
+            if found.state is not State.RUNNING:
+                if found.error is not None:
+                    raise found.error
+                assert found.answer is not None
+                return found.answer
+            if not follow:
+                raise IdempotencyInProgress(
+                    f"the stream of request {view.record.request_id!r} with this Idempotency-Key is still running; "
+                    "retry once it has finished to get its result")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise DeadlineExceeded(f"no output within {call.timeout_ms} ms: request "
+                                       f"{view.record.request_id!r} with this Idempotency-Key is still running")
+            if view.present == len(view.record.items):  # the answer is in; the first call is recording it
+                time.sleep(min(OUTCOME_POLL_S, remaining))
+            else:  # woken with the first call's own waiter when it runs in this process
+                items, until = view.record.items, min(deadline, time.monotonic() + FOLLOW_CHECK_S)
+                self._redis(partial(self.listener.wait, items, until))
+            claim = self._redis(partial(self.requests.peek, call.tenant, idempotency))
+
+    def _redis(self, command: Callable[[], T]) -> T:
+        """A Redis command of the request path: 429 when this process's pool stays taken, 503 when Redis is away."""
+        try:
+            return command()
+        except PoolExhausted as exc:
+            raise _overloaded(exc) from None
+        except redis.RedisError as exc:
+            raise Unavailable(f"Redis is unreachable: {exc}") from None
+
+    def _settle(self, entered: _Entered, error: BatchingError | None, total_ms: float = 0.0,
+                results: Sequence[ItemResult] = ()) -> bool:
+        """Record how an admitted call ended (best effort: without Redis its results are the record); with its
+        ``results``, the record expires with the first of them."""
+        outcome = Outcome(200, total_ms=total_ms) if error is None else Outcome(error.status, error.type,
+                                                                                error.message)
+        written_at = min((r.started_at + r.run_ms / 1000 for r in results), default=None)
+        try:
+            self.requests.finish(entered.record, outcome, entered.idempotency, self.clock(), written_at)
+        except redis.RedisError as exc:
+            log.warning("could not record the outcome of request %s: %s", entered.record.request_id, exc)
+        return True
+
+    def _forget(self, record: Record, idempotency: Idempotency | None) -> None:
+        try:
+            self.requests.release(record, idempotency)
+        except redis.RedisError as exc:  # the key expires with its TTL
+            log.warning("could not forget request %s: %s", record.request_id, exc)
 
     def cancel(self, item_ids: list[str]) -> None:
         """Tell the workers these callers are gone, so generation for them stops (best effort)."""
@@ -199,13 +401,39 @@ class Gateway:
         except redis.RedisError:
             pass
 
-    def _enter(self, call: Call) -> tuple[list[str], float, float]:
-        """Admit and publish a call; returns its item ids, monotonic deadline and acceptance time.
+    def _enter(self, call: Call, shape: Shape, idempotency: Idempotency | None, *, follow: bool) -> _Entered | Answer:
+        """Admit and publish a call (recording it); or, for an idempotent retry, the first call's answer.
 
         The deadline counts from when the call reached this host: under a burst, time spent waiting for the
         CPU before the handler ran is the caller's time too. A call whose remaining time could not cover one
         batch is refused now (it would only be answered late): 504 if its timeout never could, 429 if the
-        wait at the door took it."""
+        wait at the door took it.
+
+        With ``idempotency`` the key is claimed (one Lua call) just before admission; when it names an earlier
+        call, that call is followed instead (:meth:`_follow`). Any refusal before the request is published
+        releases the key."""
+        while True:
+            prepared = self._prepare(call, shape)
+            if idempotency is None:
+                break
+            self._keep_lease()  # the lease tells whoever follows this call that its process is alive
+            claim = self._redis(partial(self.requests.claim, prepared.record, idempotency, self.clock()))
+            if claim.claimed:
+                break
+            answer = self._follow(call, idempotency, claim, prepared.deadline, follow)
+            if answer is not None:
+                return answer
+        try:
+            waiter = self._admit(call, prepared, recorded=idempotency is not None)
+        except BaseException:
+            if idempotency is not None:
+                self._forget(prepared.record, idempotency)
+            raise
+        return _Entered([i.id for i in prepared.request.items], prepared.deadline, prepared.request.accepted_at,
+                        prepared.record, idempotency, waiter)
+
+    def _prepare(self, call: Call, shape: Shape) -> _Prepared:
+        """The checks before admission, and the request (and its record) a call would be admitted as."""
         now = time.monotonic()
         deadline = (call.received_at or now) + call.timeout_ms / 1000
         remaining_s = deadline - now
@@ -219,21 +447,32 @@ class Gateway:
                              "in a moment", retry_after_s=self.settings.retry_after_s)
         accepted_at = self.clock()
         items = tuple(Item(id=uuid.uuid4().hex, input=text) for text in call.inputs)
-        ids = [i.id for i in items]
         request = InferenceRequest(
             id=call.request_id, tenant=call.tenant, model=call.model, items=items,
             accepted_at=accepted_at, deadline=accepted_at + remaining_s, reply_to=self.reply_to,
             params=call.params, weight=call.weight, priority=call.priority,
         )
+        record = Record(request_id=call.request_id, tenant=call.tenant, model=call.model,
+                        items=tuple(i.id for i in items), accepted_at=accepted_at, deadline=request.deadline,
+                        instance=self.instance_id, shape=shape)
+        item_tokens, token_cap = self._token_demand(call)
+        return _Prepared(request, record, remaining_s, deadline, item_tokens, token_cap)
+
+    def _admit(self, call: Call, prepared: _Prepared, *, recorded: bool) -> Any:
+        """Admit a prepared call, record it (unless its idempotency claim did) and publish it."""
+        request, remaining_s, deadline = prepared.request, prepared.remaining_s, prepared.deadline
+        accepted_at = request.accepted_at
+        ids = [i.id for i in request.items]
         hashes = [input_hash(call.model, text) for text in call.inputs]
         ticket = Ticket(call.tenant, call.model, call.priority)
-        item_tokens, token_cap = self._token_demand(call)
+        written = False  # a record this method wrote, to forget if the call is not published
+        waiter = None  # the result listener's, once registered
         try:
             self._keep_lease()
             verdict, bad_hash, ahead = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
                 model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap,
-                valid_until=self.clock() + ADMIT_VALID_S, tokens=item_tokens, token_cap=token_cap)
+                valid_until=self.clock() + ADMIT_VALID_S, tokens=prepared.item_tokens, token_cap=prepared.token_cap)
         except PoolExhausted as exc:
             raise _overloaded(exc) from None
         except redis.RedisError as exc:
@@ -264,7 +503,11 @@ class Gateway:
             if call.model not in models:
                 served = ", ".join(sorted(models)) or "none"
                 raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
-            self.listener.start()
+            if not recorded:  # before publishing: the record must exist before any result does
+                self._redis(lambda: self.requests.admitted(prepared.record, self.clock()))
+                recorded = written = True
+            # listening before publishing: a result or streamed text can come back before publish() returns
+            waiter = self.listener.expect(ids)
             try:
                 budget = min(self.settings.publish_timeout_s, max(0.0, deadline - time.monotonic()))
                 self.publisher.publish(request, budget)
@@ -276,8 +519,12 @@ class Gateway:
                 raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
         except BaseException:
             self._release(ticket, ids)
+            if written:
+                self._forget(prepared.record, None)
+            if waiter is not None:
+                self.listener.forget(ids, waiter)
             raise
-        return ids, deadline, accepted_at
+        return waiter
 
     def _token_demand(self, call: Call) -> tuple[list[int], int]:
         """Each item's estimated tokens (prompt + max_tokens; 0 for a non-generation item) and the model's token

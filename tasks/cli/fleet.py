@@ -61,9 +61,9 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
     s = admin.settings
     try:
         counters = Stats.from_settings(s, admin.redis)
-        before, busy_before = counters.counters(), counters.busy_seconds()
+        before = counters.counters()
         time.sleep(interval)
-        after, busy_after = counters.counters(), counters.busy_seconds()
+        after = counters.counters()
         now = admin.clock()()
         admission = admin.admission()
         in_flight = admission.in_flight(now)
@@ -92,7 +92,8 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         "fill_ratio": round(items / (batches * s.max_batch_size), 3) if batches else None,
         "live_workers": live,
         "tokens_per_s": round(tokens_per_s, 1),
-        "device_busy_fraction": round((busy_after - busy_before) / (interval * live), 3) if live else None,
+        # the workers' own figure (last minute): batches running at once on a device count once
+        "device_busy_fraction": round(sum(w.utilisation for w in live_workers) / live, 3) if live else None,
         "cost_per_million_tokens": round(devices_cost_per_s / tokens_per_s * 1e6, 4) if tokens_per_s else None,
         "quarantined_inputs": quarantined,
         "ledger_records_dropped": after["ledger_dropped"],

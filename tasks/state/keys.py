@@ -19,6 +19,8 @@ key                                       type    what
 ``:loaded``)
 ``<ns>:claim:<batch id>``                 string  who runs a batch (:mod:`tasks.state.claims`)
 ``<ns>:result:<item id>``                 string  an item's answer, JSON (:mod:`tasks.state.results`)
+``<ns>:request:<tenant>:<request id>``    string  a call: its items, shape, outcome (:mod:`tasks.state.requests`)
+``<ns>:idem:<tenant>:<sha256(key)>``      string  an Idempotency-Key's claim: body hash, request id
 ``<ns>:replies:<instance>``               channel wake-ups (and streamed text) for one API process
 ``<ns>:cancel``                           channel item ids whose callers went away
 ``<ns>:stats:<counter>``                  string  system-wide counters (items_done, tokens, ...)
@@ -62,6 +64,13 @@ class Keys:
 
     def result(self, item_id: str) -> str:
         return self._key("result", item_id)
+
+    def request(self, tenant: str, request_id: str) -> str:
+        """A call's record (``request_id`` "": the prefix of the tenant's records)."""
+        return self._key("request", tenant, request_id)
+
+    def idempotency(self, tenant: str, key_hash: str) -> str:
+        return self._key("idem", tenant, key_hash)
 
     def replies(self, instance: str) -> str:
         return self._key("replies", instance)

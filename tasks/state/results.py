@@ -58,9 +58,9 @@ class ResultWriter:
             pipe.set(self.key(item.id), json.dumps(result.to_dict()), ex=self.ttl_s)
             by_channel[item.reply_to].append(item.id)
             count += 1
-        if not count:
+        if not count and done_key is None and extra is None:
             return
-        if self.counter_key:
+        if self.counter_key and count:
             pipe.incrby(self.counter_key, count)
         if done_key is not None:
             pipe.set(done_key, DONE, ex=self.ttl_s)
@@ -122,7 +122,9 @@ class ResultListener:
         self.recheck_s = recheck_s
         # How to read result keys: plain MGET by default; the gateway reads and releases admission together.
         self.read: Read = read or self._mget
-        self._waiters: dict[str, _Waiter] = {}
+        # Waiters by item id: usually one, the call's own; an idempotent retry waiting in the same process for the
+        # first call's items adds its own.
+        self._waiters: dict[str, list[_Waiter]] = {}
         # After each (re)subscription, wake every waiter: anything published while away is in the keys.
         self._subscription = Subscription(client, channel, self._on_message,
                                           on_connect=lambda: self._wake(list(self._waiters)), name="result listener")
@@ -131,24 +133,41 @@ class ResultListener:
         """Start the listener once, lazily, in the process that will wait (after gunicorn forks)."""
         self._subscription.start()
 
-    def wait(self, item_ids: Sequence[str], deadline: float, read: Read | None = None) -> dict[str, ItemResult]:
+    def expect(self, item_ids: Sequence[str]) -> _Waiter:
+        """Listen for these items from now: called before their request is published, so that no wake-up or
+        streamed text the workers publish for them can come before anyone listens. Hand the waiter to
+        :meth:`wait` or :meth:`stream` (or to :meth:`forget` if the request was not published)."""
+        self.start()
+        waiter = _Waiter()
+        for item_id in item_ids:
+            self._waiters.setdefault(item_id, []).append(waiter)
+        return waiter
+
+    def forget(self, item_ids: Sequence[str], waiter: _Waiter) -> None:
+        for item_id in item_ids:
+            self._forget(item_id, waiter)
+
+    def wait(self, item_ids: Sequence[str], deadline: float, read: Read | None = None,
+             waiter: _Waiter | None = None) -> dict[str, ItemResult]:
         """Block until every item has a result or the monotonic ``deadline`` passes.
 
         Returns whatever results exist by then (possibly fewer than asked for: the caller decides it is a
         timeout). Never waits past the deadline. Redis going away for less than ``REDIS_GRACE_S`` costs
         nothing (workers hold their results until it is back); longer, and the RedisError is raised.
+        ``waiter``: the one :meth:`expect` gave before the request was published; without it the keys are
+        read once at once (a result may have come before this call listened).
         """
-        self.start()
-        waiter = _Waiter()
-        for item_id in item_ids:
-            self._waiters[item_id] = waiter
+        read_first = waiter is None
+        waiter = waiter or self.expect(item_ids)
         results: dict[str, ItemResult] = {}
         pending = list(item_ids)
         failing_since: float | None = None
         try:
             while True:
                 remaining = deadline - time.monotonic()
-                if remaining > 0:
+                if read_first:
+                    read_first = False
+                elif remaining > 0:
                     waiter.event.wait(min(remaining, self.recheck_s if failing_since is None else REDIS_RETRY_S))
                     waiter.event.clear()
                 try:
@@ -164,13 +183,13 @@ class ResultListener:
                     return results
         finally:
             for item_id in item_ids:
-                self._waiters.pop(item_id, None)
+                self._forget(item_id, waiter)
 
-    def stream(self, item_id: str, deadline: float, read: Read | None = None) -> Iterator[tuple[str, Any]]:
-        """Yield ("delta", text) as the worker streams it, then ("done", ItemResult) or ("timeout", None)."""
-        self.start()
-        waiter = _Waiter()
-        self._waiters[item_id] = waiter
+    def stream(self, item_id: str, deadline: float, read: Read | None = None,
+               waiter: _Waiter | None = None) -> Iterator[tuple[str, Any]]:
+        """Yield ("delta", text) as the worker streams it, then ("done", ItemResult) or ("timeout", None).
+        ``waiter``: the one :meth:`expect` gave before the request was published (so no text is missed)."""
+        waiter = waiter or self.expect([item_id])
         next_check = time.monotonic() + self.recheck_s
         try:
             while True:
@@ -193,6 +212,13 @@ class ResultListener:
                         yield "timeout", None
                         return
         finally:
+            self._forget(item_id, waiter)
+
+    def _forget(self, item_id: str, waiter: _Waiter) -> None:
+        waiters = self._waiters.get(item_id, [])
+        if waiter in waiters:
+            waiters.remove(waiter)
+        if not waiters:
             self._waiters.pop(item_id, None)
 
     def _mget(self, item_ids: Sequence[str]) -> list[bytes | None]:
@@ -207,15 +233,13 @@ class ResultListener:
 
     def _wake(self, item_ids: Iterable[str]) -> None:
         for item_id in item_ids:
-            waiter = self._waiters.get(item_id)
-            if waiter is not None:
+            for waiter in self._waiters.get(item_id, ()):
                 waiter.ready = True
                 waiter.event.set()
 
     def _deliver(self, pairs: list[list[str]]) -> None:
         for item_id, text in pairs:
-            waiter = self._waiters.get(item_id)
-            if waiter is not None:
+            for waiter in self._waiters.get(item_id, ()):
                 waiter.deltas.append(text)
                 waiter.event.set()
 

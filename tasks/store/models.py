@@ -1,7 +1,8 @@
 """Every table of the database, in one place (the schema is managed by Alembic in ``migrations/``).
 
 Requests, batches and quarantined inputs are the outcome ledger (:mod:`tasks.store.ledger`); tenants and API
-keys are :mod:`tasks.store.tenants`. One engine factory serves both, and the CLI's migrations.
+keys are :mod:`tasks.store.tenants`; files, batch jobs and their lines are the Batch API's (:mod:`tasks.store.files`,
+:mod:`tasks.store.jobs`). One engine factory serves them all, and the CLI's migrations.
 
 Every string column of the ledger is a :class:`StorableString` / :class:`StorableText`: text a caller sent may
 hold what a database refuses (NUL, lone surrogates), and one such record must not stop the rest.
@@ -13,7 +14,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Boolean, DateTime, Dialect, Float, ForeignKey, Integer, String, Text, create_engine, event
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Dialect,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    create_engine,
+    event,
+)
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -132,6 +146,68 @@ class ApiKeyRecord(Base):
     label: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class FileRecord(Base):
+    """A file of the Batch API (an uploaded input, or a job's output or errors); its bytes are in the file store."""
+
+    __tablename__ = "files"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # time-ordered: listing sorts by id
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    purpose: Mapped[str] = mapped_column(String(32))  # batch (uploaded), batch_output (written by a job)
+    filename: Mapped[str] = mapped_column(StorableString(255))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class BatchJobRecord(Base):
+    """One batch job: its status, counters and output files, and the lease of the `llmb-jobs` process running it."""
+
+    __tablename__ = "batch_jobs"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # time-ordered: listing sorts by id
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    # validating, in_progress, finalizing, completed, failed, cancelling, cancelled, expired
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    meta: Mapped[str | None] = mapped_column(StorableText)  # the caller's metadata, JSON
+    errors: Mapped[str | None] = mapped_column(StorableText)  # validation errors, JSON (OpenAI's "errors")
+    total: Mapped[int] = mapped_column(Integer, default=0)
+    completed: Mapped[int] = mapped_column(Integer, default=0)
+    failed: Mapped[int] = mapped_column(Integer, default=0)
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)  # epoch seconds, as OpenAI reports them
+    expires_at: Mapped[float] = mapped_column(Float)
+    in_progress_at: Mapped[float | None] = mapped_column(Float)
+    finalizing_at: Mapped[float | None] = mapped_column(Float)
+    completed_at: Mapped[float | None] = mapped_column(Float)
+    failed_at: Mapped[float | None] = mapped_column(Float)
+    expired_at: Mapped[float | None] = mapped_column(Float)
+    cancelling_at: Mapped[float | None] = mapped_column(Float)
+    cancelled_at: Mapped[float | None] = mapped_column(Float)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_until: Mapped[float | None] = mapped_column(Float)  # epoch seconds on the fleet's shared clock
+
+
+class BatchLineRecord(Base):
+    """One line (request) of a batch job. It is finished once its output row is committed (status ok or error);
+    ``request_id`` is its correlation id in the ledger's ``requests`` table, which links it to its batches."""
+
+    __tablename__ = "batch_lines"
+    __table_args__ = (Index("ix_batch_lines_job_status", "job_id", "status"),)
+    job_id: Mapped[str] = mapped_column(String(64), ForeignKey("batch_jobs.id", ondelete="CASCADE"),
+                                        primary_key=True)
+    line_no: Mapped[int] = mapped_column(Integer, primary_key=True)  # 0-based, in input order
+    custom_id: Mapped[str] = mapped_column(StorableText)
+    request_id: Mapped[str] = mapped_column(String(128), index=True)
+    body: Mapped[str] = mapped_column(Text)  # the request body, JSON (ASCII: every escape kept)
+    status: Mapped[str] = mapped_column(String(16))  # pending, ok, error
+    attempts: Mapped[int] = mapped_column(Integer, default=0)  # submissions that did not finish it
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    output: Mapped[str | None] = mapped_column(Text)  # the whole output (or error) file line, JSON
+    finished_at: Mapped[float | None] = mapped_column(Float)
 
 
 def make_engine(url: str) -> Engine:

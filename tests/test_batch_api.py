@@ -1,0 +1,304 @@
+"""The Batch API end to end with the official `openai` client: real gunicorn, batcher, sim workers and `llmb-jobs`
+processes, API keys on (files and batches belong to a tenant).
+
+Workers: ``sim`` (50 ms batches, a poison trigger), ``slow`` (sim, 1 s batches: jobs that last long enough to be
+cancelled or killed mid-way) and ``sim-lm`` (the OpenAI chat endpoint). Two ``llmb-jobs`` processes poll every
+0.2 s with a 2 s lease, so a killed one's jobs are taken over by the other within seconds.
+"""
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import func, inspect, select
+from sqlalchemy.orm import Session
+
+from tasks.store.models import RequestRecord, make_engine
+from tests.helpers import expected
+from tests.stack import Stack, wait_for
+
+if os.environ.get("CI"):
+    import openai
+else:
+    openai = pytest.importorskip("openai", reason="bin/test installs the test extra (the official openai client)")
+
+POISON = "__poison_line__"
+
+
+@pytest.fixture(scope="module")
+def jobs_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = Path(tmp_path_factory.mktemp("batch_api"))
+    s = Stack(tmp, auth="keys", auth_cache_s=0.5, sim_batch_ms=50, sim_raise_on=POISON, files_dir=tmp / "files",
+              jobs_poll_s=0.2, jobs_lease_s=2, jobs_line_timeout_ms=30_000, offline_max_wait_ms=100,
+              sim_lm_speed=20)
+    try:
+        s.start_worker(0)
+        s.start_worker(1, model="slow", sim_batch_ms=1000)
+        s.start_worker(2, backend="sim-lm")
+        s.start_batcher()
+        s.start_web(workers=1)
+        s.start_jobs()
+        s.start_jobs("jobs2")
+        s.wait_ready(workers=3)
+        yield s
+    finally:
+        s.close()
+
+
+def client(stack: Stack, tenant: str) -> "openai.OpenAI":
+    key = stack.admin("keys", "create", tenant).stdout.strip()
+    return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def alice(jobs_stack: Stack) -> "openai.OpenAI":
+    return client(jobs_stack, "alice")
+
+
+def jsonl(lines: list[dict[str, Any]]) -> bytes:
+    return "\n".join(json.dumps(x) for x in lines).encode() + b"\n"
+
+
+def infer_lines(texts: list[str], model: str | None = None) -> list[dict[str, Any]]:
+    return [{"custom_id": f"line-{i}", "method": "POST", "url": "/v1/infer",
+             "body": {"input": t, **({"model": model} if model else {})}} for i, t in enumerate(texts)]
+
+
+def submit(c: "openai.OpenAI", lines: list[dict[str, Any]], endpoint: str = "/v1/infer") -> Any:
+    f = c.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
+    return c.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+
+
+def finished(c: "openai.OpenAI", batch_id: str, timeout_s: float = 60, states: tuple[str, ...] = (
+        "completed", "failed", "cancelled", "expired")) -> Any:
+    found: list[Any] = []
+
+    def done() -> bool:
+        found[:] = [c.batches.retrieve(batch_id)]
+        return found[0].status in states
+
+    wait_for(done, timeout_s, f"batch {batch_id} to end")
+    return found[0]
+
+
+def read(c: "openai.OpenAI", file_id: str | None) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in c.files.content(file_id).text.splitlines()] if file_id else []
+
+
+def ledger_runs(stack: Stack, batch_id: str) -> Counter[str]:
+    """Submissions of each line of the batch the ledger holds (one ledger request per submission)."""
+    with Session(make_engine(stack.database_url)) as s:
+        rows = s.execute(select(RequestRecord.correlation_id, func.count()).where(
+            RequestRecord.correlation_id.like(f"{batch_id}-%")).group_by(RequestRecord.correlation_id))
+        return Counter({cid: int(n) for cid, n in rows})
+
+
+def test_a_batch_completes_with_one_output_or_error_per_line(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    texts = [f"batch text {i}" for i in range(200)]
+    texts[57] = f"this one is {POISON}"
+    batch = submit(alice, infer_lines(texts))
+    assert batch.status == "validating" and batch.endpoint == "/v1/infer" and batch.completion_window == "24h"
+    done = finished(alice, batch.id)
+    assert done.status == "completed", done
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (200, 199, 1)
+    assert done.in_progress_at and done.finalizing_at and done.completed_at and done.expires_at
+
+    outputs, errors = read(alice, done.output_file_id), read(alice, done.error_file_id)
+    assert len(outputs) == 199 and len(errors) == 1
+    ids = Counter(x["custom_id"] for x in outputs + errors)
+    assert set(ids) == {f"line-{i}" for i in range(200)} and set(ids.values()) == {1}, "every custom_id once"
+    for x in outputs:
+        assert x["response"]["status_code"] == 200 and x["error"] is None and x["id"].startswith("batch_req_")
+        assert x["response"]["body"]["output"] == expected(texts[int(x["custom_id"].split("-")[1])])
+        assert x["response"]["request_id"] == x["response"]["body"]["id"]
+    poison = errors[0]
+    assert poison["custom_id"] == "line-57" and poison["response"]["status_code"] == 422
+    assert poison["response"]["body"]["error"]["type"] == "poison_input"
+
+    out_file = alice.files.retrieve(done.output_file_id)
+    assert out_file.purpose == "batch_output" and out_file.bytes > 0
+
+    # the ledger links every line to its batches: its request id is the ledger's correlation id
+    wait_for(lambda: len(ledger_runs(jobs_stack, batch.id)) == 200, 20, "every line in the ledger")
+    shown = json.loads(jobs_stack.admin("jobs", "show", batch.id, "--lines", "200", "--json").stdout)
+    assert shown["status"] == "completed" and shown["lines_by_status"] == {"ok": 199, "error": 1}
+    assert all(row["batches"] for row in shown["lines"]), "each line lists the batches that carried it"
+    assert any(j["id"] == batch.id for j in json.loads(jobs_stack.admin("jobs", "list", "--json").stdout))
+
+
+def test_lines_run_as_their_endpoint_would_and_invalid_ones_are_errors(jobs_stack: Stack,
+                                                                       alice: "openai.OpenAI") -> None:
+    lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "sim-lm", "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}}
+             for i in range(10)]
+    lines.append({"custom_id": "streamed", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "sim-lm", "stream": True, "messages": [{"role": "user", "content": "x"}]}})
+    lines.append({"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
+                  "body": {"model": "sim-lm"}})
+    done = finished(alice, submit(alice, lines, "/v1/chat/completions").id)
+    assert done.status == "completed" and done.request_counts.completed == 10 and done.request_counts.failed == 2
+    outputs = read(alice, done.output_file_id)
+    for x in outputs:
+        body = x["response"]["body"]
+        assert body["object"] == "chat.completion" and body["choices"][0]["message"]["role"] == "assistant"
+        assert 1 <= body["usage"]["completion_tokens"] <= 8
+    errors = {x["custom_id"]: x["response"] for x in read(alice, done.error_file_id)}
+    assert errors["streamed"]["status_code"] == 400 and "stream" in errors["streamed"]["body"]["error"]["message"]
+    assert errors["no-messages"]["status_code"] == 400
+    assert set(errors["no-messages"]["body"]["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
+
+    bad = infer_lines(["a", "b"]) + [{"custom_id": "line-0", "method": "POST", "url": "/v1/infer", "body": {}},
+                                     {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}]
+    failed = finished(alice, submit(alice, bad).id)
+    assert failed.status == "failed" and failed.output_file_id is None
+    assert [(e.line, e.code) for e in failed.errors.data] == [(3, "duplicate_custom_id"), (4, "mismatched_endpoint")]
+
+
+def test_files_and_batches_belong_to_their_tenant(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    bob = client(jobs_stack, "bob")
+    mine = alice.files.create(file=("a.jsonl", jsonl(infer_lines(["x"]))), purpose="batch")
+    assert alice.files.retrieve(mine.id).filename == "a.jsonl"
+    assert alice.files.content(mine.id).text == jsonl(infer_lines(["x"])).decode()
+    batch = alice.batches.create(input_file_id=mine.id, endpoint="/v1/infer", completion_window="24h")
+    for attempt in (lambda: bob.files.retrieve(mine.id), lambda: bob.files.content(mine.id),
+                    lambda: bob.files.delete(mine.id), lambda: bob.batches.retrieve(batch.id),
+                    lambda: bob.batches.cancel(batch.id),
+                    lambda: bob.batches.create(input_file_id=mine.id, endpoint="/v1/infer", completion_window="24h")):
+        with pytest.raises(openai.NotFoundError):
+            attempt()
+    assert batch.id not in {b.id for b in bob.batches.list()}
+    assert mine.id not in {f.id for f in bob.files.list()}
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=jobs_stack.url + "/v1", api_key="llmb_00000000_" + "x" * 43,
+                      max_retries=0).batches.retrieve(batch.id)
+    assert finished(alice, batch.id).status == "completed"
+
+    # pages of the tenant's batches, newest first, the official client following the cursor
+    more = [alice.batches.create(input_file_id=mine.id, endpoint="/v1/infer", completion_window="24h").id
+            for _ in range(3)]
+    page = alice.batches.list(limit=2)
+    assert [b.id for b in page.data] == more[::-1][:2] and page.has_more
+    listed = [b.id for b in alice.batches.list(limit=2)]  # iterating a page follows `after` to the end
+    assert listed[:4] == [*more[::-1], batch.id]
+    assert alice.files.delete(mine.id).deleted
+    with pytest.raises(openai.NotFoundError):
+        alice.files.retrieve(mine.id)
+    for b in more:
+        finished(alice, b, states=("completed", "failed"))
+
+
+def test_cancel_stops_feeding_lets_running_lines_finish(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    batch = submit(alice, infer_lines([f"cancel me {i}" for i in range(1000)], model="slow"))
+    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 10, 30, "the first lines done")
+    assert alice.batches.cancel(batch.id).status in ("cancelling", "cancelled")
+    done = finished(alice, batch.id)
+    assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
+    ran, never = read(alice, done.output_file_id), read(alice, done.error_file_id)
+    assert 10 <= len(ran) < 1000 and len(ran) == done.request_counts.completed
+    assert {x["error"]["code"] for x in never} == {"batch_cancelled"} and len(ran) + len(never) == 1000
+    assert set(Counter(x["custom_id"] for x in ran + never).values()) == {1}
+    # the lines that were running finished; no line was sent after the cancel was seen
+    ran_ids = {x["response"]["request_id"] for x in ran}
+    wait_for(lambda: set(ledger_runs(jobs_stack, batch.id)) >= ran_ids, 20, "the finished lines in the ledger")
+    assert set(ledger_runs(jobs_stack, batch.id)) == ran_ids
+    with pytest.raises(openai.BadRequestError):
+        alice.batches.cancel(finished(alice, submit(alice, infer_lines(["quick"])).id).id)  # completed: too late
+
+
+def holder(stack: Stack, batch_id: str) -> str:
+    """The name of the llmb-jobs process holding the job's lease (its owner id holds the process id)."""
+    found: list[str] = []
+
+    def held() -> bool:
+        owner = json.loads(stack.admin("jobs", "show", batch_id, "--json").stdout)["lease_owner"] or ""
+        found[:] = [n for n in ("jobs", "jobs2") if n in stack.procs and f":{stack.pid(n)}:" in owner]
+        return bool(found)
+
+    wait_for(held, 20, f"an llmb-jobs process to hold {batch_id}")
+    return found[0]
+
+
+@pytest.mark.fault
+def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_stack: Stack,
+                                                                          alice: "openai.OpenAI") -> None:
+    items_before = jobs_stack.items_done()
+    batch = submit(alice, infer_lines([f"survive {i}" for i in range(400)], model="slow"))
+    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 100, 30, "a quarter done")
+    running = holder(jobs_stack, batch.id)
+    jobs_stack.kill(running)  # SIGKILL: lines in flight are cut off, finished ones are committed
+    at_kill = alice.batches.retrieve(batch.id)
+    assert at_kill.status == "in_progress" and at_kill.request_counts.completed < 400
+    other = holder(jobs_stack, batch.id)  # the other process takes the job over once the lease lapses
+    assert other != running
+    jobs_stack.start_jobs(running)  # and the killed one comes back (it finds the job held)
+    # (a line the killed process had claimed its key for but not yet published waits for its deadline, 30 s here)
+    done = finished(alice, batch.id, timeout_s=90)
+    assert done.status == "completed" and done.request_counts.completed == 400
+    outputs = read(alice, done.output_file_id)
+    assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(400))
+    for x in outputs:
+        assert x["response"]["body"]["output"] == expected(f"survive {x['custom_id'].split('-')[1]}")
+    # each line ran once: one ledger request (submission) per line, and the device answered 400 items, not more
+    # (a line cut off in flight is sent again with its idempotency key: it gets the first run's answer)
+    wait_for(lambda: len(ledger_runs(jobs_stack, batch.id)) == 400, 20, "every line in the ledger")
+    runs = ledger_runs(jobs_stack, batch.id)
+    assert set(runs.values()) == {1}, {k: n for k, n in runs.items() if n > 1}
+    assert jobs_stack.items_done() - items_before == 400
+
+
+@pytest.mark.fault
+def test_a_job_survives_its_batcher_and_worker_being_killed(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    batch = submit(alice, infer_lines([f"outlive {i}" for i in range(500)], model="slow"))
+    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 100, 30, "a fifth done")
+    jobs_stack.kill("batcher")
+    jobs_stack.kill("gpu1")  # its supervisor and worker: a host lost mid-batch
+    jobs_stack.start_batcher()
+    jobs_stack.start_worker(1, model="slow", sim_batch_ms=1000)
+    done = finished(alice, batch.id, timeout_s=90)
+    assert done.status == "completed" and done.request_counts.completed == 500, done.request_counts
+    outputs = read(alice, done.output_file_id)
+    assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(500))
+    assert all(x["response"]["body"]["output"] == expected(f"outlive {x['custom_id'].split('-')[1]}")
+               for x in outputs)
+
+
+def test_a_tenant_at_its_cap_backs_off_and_its_job_still_completes(jobs_stack: Stack) -> None:
+    jobs_stack.admin("tenants", "set", "capped", "--max-in-flight", "40")
+    capped = client(jobs_stack, "capped")
+    batch = submit(capped, infer_lines([f"capped {i}" for i in range(300)]))
+    peak: list[int] = [0]
+
+    def done() -> bool:
+        peak[0] = max(peak[0], jobs_stack.tenant_inflight("capped"))
+        return capped.batches.retrieve(batch.id).status == "completed"
+
+    wait_for(done, 60, "the capped tenant's job")
+    final = capped.batches.retrieve(batch.id)
+    assert (final.request_counts.completed, final.request_counts.failed) == (300, 0), "429s are retried, not errors"
+    assert len(read(capped, final.output_file_id)) == 300 and final.error_file_id is None
+    assert peak[0] <= 40
+    assert "429 tenant_over_limit" in jobs_stack.log("jobs") + jobs_stack.log("jobs2"), "it was refused, and backed off"
+
+
+def test_db_upgrade_creates_the_batch_tables(database_url: str) -> None:
+    import subprocess
+
+    from tests.stack import BIN, ROOT
+
+    def admin(*args: str) -> None:
+        done = subprocess.run([str(BIN / "llmb-admin"), "--database-url", database_url, *args], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+
+    tables = {"files", "batch_jobs", "batch_lines"}
+    admin("db", "upgrade")
+    assert tables <= set(inspect(make_engine(database_url)).get_table_names())
+    admin("db", "downgrade", "0002")
+    assert not tables & set(inspect(make_engine(database_url)).get_table_names())
+    admin("db", "upgrade")
+    assert tables <= set(inspect(make_engine(database_url)).get_table_names())
