@@ -82,6 +82,7 @@ class BatchItem:
     retries: int = 0  # times re-dispatched because its worker was lost before running it
     params: dict[str, Any] = field(default_factory=dict)
     died_on: tuple[str, ...] = ()  # workers that died (or vanished) while running a batch holding this item
+    priority: Priority = Priority.INTERACTIVE  # its call's class, kept so the ledger (and a replay) knows it
 
 
 class Failure(StrEnum):
@@ -111,7 +112,9 @@ class Batch:
     def from_dict(cls, d: dict[str, Any]) -> "Batch":
         return cls(
             id=str(d["id"]), model=str(d["model"]), created_at=float(d["created_at"]),
-            items=tuple(BatchItem(**{**i, "died_on": tuple(i.get("died_on") or ())}) for i in d["items"]),
+            items=tuple(BatchItem(**{**i, "died_on": tuple(i.get("died_on") or ()),
+                                     "priority": Priority(i.get("priority", Priority.INTERACTIVE))})
+                        for i in d["items"]),
             parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)),
         )
 

@@ -1,6 +1,7 @@
 """The OpenAI-compatible API, driven by the official `openai` client, with real (tiny) models on workers."""
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterator
@@ -17,6 +18,10 @@ else:
     openai = pytest.importorskip("openai", reason="bin/test installs the 'models' extra these tests need")
     pytest.importorskip("transformers", reason="bin/test installs the 'models' extra these tests need")
 
+from sqlalchemy import select  # noqa: E402
+from sqlalchemy.orm import Session  # noqa: E402
+
+from tasks.store.models import RequestRecord, make_engine  # noqa: E402
 from tests.models import build_tiny_llama  # noqa: E402
 from tests.stack import Stack, wait_for  # noqa: E402
 
@@ -26,7 +31,7 @@ LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 @pytest.fixture(scope="module")
 def models_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = build_tiny_llama(Path(tmp_path_factory.mktemp("models")) / LM)
-    s = Stack(Path(tmp_path_factory.mktemp("openai")), max_tokens_cap=64, hf_mode="continuous")
+    s = Stack(Path(tmp_path_factory.mktemp("openai")), max_tokens_cap=64, hf_mode="continuous", store_inputs="true")
     try:
         s.start_worker(0, backend="hf-causal", model=str(folder))
         s.start_worker(1, backend="hf-embed")
@@ -79,6 +84,33 @@ def test_chat_completions_use_the_chat_template(client: "openai.OpenAI") -> None
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])
     assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
     assert r.usage.prompt_tokens > 5  # the template's role markers count
+
+
+def _ledger_record(stack: Stack, correlation_id: str) -> RequestRecord:
+    with Session(make_engine(stack.database_url)) as s:
+        query = select(RequestRecord).where(RequestRecord.correlation_id == correlation_id,
+                                            RequestRecord.status == "ok")
+        wait_for(lambda: s.scalars(query).first(), 10, f"{correlation_id} in the ledger")
+        return s.scalars(query).one()
+
+
+def test_requeue_sends_the_same_call_again(models_stack: Stack, client: "openai.OpenAI") -> None:
+    """Chat or completion, sampling parameters, seed and priority class all come back from the ledger."""
+    chat = client.chat.completions.with_raw_response.create(
+        model=LM, max_tokens=7, temperature=0.9, top_p=0.9, seed=11, service_tier="flex",
+        messages=[{"role": "user", "content": "tell me a story"}])
+    plain = client.completions.with_raw_response.create(model=LM, prompt="once upon", max_tokens=5,
+                                                        temperature=0.8, seed=3)
+    for raw, text in ((chat, chat.parse().choices[0].message.content), (plain, plain.parse().choices[0].text)):
+        record = _ledger_record(models_stack, raw.headers["X-Request-Id"])
+        again = models_stack.admin("requeue", record.id)
+        assert record.id in again.stdout and f'"text": {json.dumps(text)}' in again.stdout, (text, again.stdout)
+        replayed = _ledger_record(models_stack, f"replay-{record.id}")
+        assert (replayed.tenant, replayed.model, replayed.priority, replayed.params) == \
+            (record.tenant, record.model, record.priority, record.params)
+    first = _ledger_record(models_stack, chat.headers["X-Request-Id"])
+    assert first.priority == "offline" and json.loads(first.params or "{}")["chat"] is True
+    assert json.loads(first.params or "{}")["seed"] == 11
 
 
 def test_embeddings_are_normalised_and_per_input(client: "openai.OpenAI") -> None:

@@ -1,6 +1,9 @@
 """`llmb-admin requeue` and `replay`: send requests stored in the ledger through the system again.
 
-Only requests whose inputs were stored (``LLMB_STORE_INPUTS=true``) can be sent again.
+A replay is the same call as the first: the same tenant (with its weight and cap as they are now), model,
+priority class and parameters (``max_tokens``, ``temperature``, ``seed``, chat or completion), which the
+ledger keeps for every request. Only the input itself is kept optionally (``LLMB_STORE_INPUTS=true``), so only
+requests whose inputs were stored can be sent again.
 """
 from __future__ import annotations
 
@@ -16,12 +19,43 @@ from sqlalchemy import select
 from tasks.broker.gateway import Call, Gateway
 from tasks.cli.main import Admin, cli, fail, pass_admin
 from tasks.errors import BatchingError
+from tasks.policy.tenancy import TenantPolicy
+from tasks.schema import Priority
 from tasks.store.models import BatchRecord, BatchRequest, RequestRecord
+from tasks.store.tenants import KeyStore
 
 
-def _submit(gateway: Gateway, record: RequestRecord, timeout_ms: int) -> tuple[str, Any]:
-    call = Call(request_id=f"replay-{record.id}", tenant=record.tenant, model=record.model,
-                inputs=(record.input or "",), timeout_ms=timeout_ms)
+def replay_call(record: RequestRecord, policy: TenantPolicy, timeout_ms: int) -> Call:
+    """The call that sends this ledger request again, as its caller first asked for it."""
+    params = json.loads(record.params) if record.params else {}
+    priority = Priority(record.priority) if record.priority else Priority.INTERACTIVE
+    return Call(request_id=f"replay-{record.id}", tenant=record.tenant, model=record.model,
+                inputs=(record.input or "",), timeout_ms=timeout_ms, params=params, weight=policy.weight,
+                priority=priority, tenant_cap=policy.max_in_flight)
+
+
+class _Sender:
+    """Sends ledger requests again through one gateway, each with its tenant's current policy."""
+
+    def __init__(self, admin: Admin, timeout_ms: int) -> None:
+        self.gateway = admin.gateway()
+        self.store = KeyStore.from_settings(admin.settings)
+        self.timeout_ms = timeout_ms
+        self._policies: dict[str, TenantPolicy] = {}
+
+    def policy(self, tenant: str) -> TenantPolicy:
+        if tenant not in self._policies:
+            self._policies[tenant] = self.store.policy(tenant)
+        return self._policies[tenant]
+
+    def calls(self, records: list[RequestRecord]) -> list[Call]:
+        return [replay_call(r, self.policy(r.tenant), self.timeout_ms) for r in records]
+
+    def __call__(self, call: Call) -> tuple[str, Any]:
+        return _submit(self.gateway, call)
+
+
+def _submit(gateway: Gateway, call: Call) -> tuple[str, Any]:
     try:
         return "ok", gateway.submit(call).results[0].output
     except BatchingError as exc:
@@ -52,9 +86,10 @@ def requeue(admin: Admin, ident: str, timeout_ms: int) -> None:
             records = list(session.scalars(select(RequestRecord).join(
                 BatchRequest, BatchRequest.request_id == RequestRecord.id).where(BatchRequest.batch_id == ident)))
         _need_inputs(records)
-    gateway = admin.gateway()
+    send = _Sender(admin, timeout_ms)
+    calls = send.calls(records)
     with ThreadPoolExecutor(max_workers=min(len(records), 100) or 1) as pool:
-        outcomes = list(pool.map(lambda r: _submit(gateway, r, timeout_ms), records))
+        outcomes = list(pool.map(send, calls))
     for record, (status, detail) in zip(records, outcomes):
         click.echo(f"{record.id}  {status}  {json.dumps(detail)}")
     if any(status != "ok" for status, _ in outcomes):
@@ -104,11 +139,12 @@ def replay(admin: Admin, status: str | None, since: str | None, until: str | Non
         click.echo(f"would replay {len(records)} request(s), from {records[0].accepted_at} to "
                    f"{records[-1].accepted_at}")
         return
-    gateway = admin.gateway()
+    send = _Sender(admin, timeout_ms)
+    calls = send.calls(records)
     counts: dict[str, int] = {}
     with ThreadPoolExecutor(max_workers=concurrency) as pool, \
             click.progressbar(length=len(records), label="replaying", file=sys.stderr) as bar:
-        for status_, _ in pool.map(lambda r: _submit(gateway, r, timeout_ms), records):
+        for status_, _ in pool.map(send, calls):
             counts[status_] = counts.get(status_, 0) + 1
             bar.update(1)
     click.echo("replayed " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))

@@ -111,7 +111,7 @@ class Batcher:
             entry = _Entry(
                 BatchItem(id=item.id, request_id=request.id, input=item.input, deadline=request.deadline,
                           accepted_at=request.accepted_at, reply_to=request.reply_to, tenant=request.tenant,
-                          params=request.params),
+                          params=request.params, priority=request.priority),
                 delivery,
             )
             buffer.add(entry, now=now, deadline=request.deadline + offset, tenant=request.tenant,

@@ -13,6 +13,7 @@ not take.
 from __future__ import annotations
 
 import functools
+import json
 import logging
 import queue
 import threading
@@ -199,6 +200,7 @@ class Ledger:
         rows = [{
             "id": i.id, "correlation_id": i.request_id, "tenant": i.tenant, "model": model, "status": status,
             "input_hash": input_hash(model, i.input), "input": i.input if self.store_inputs else None,
+            "params": json.dumps(i.params, sort_keys=True) if i.params else None, "priority": i.priority.value,
             "error": error, "batch_id": batch_id, "accepted_at": ts(i.accepted_at),
             "finished_at": ts(finished_at if finished_at is not None else now),
             "queued_ms": None if started_at is None else round((started_at - i.accepted_at) * 1000, 3),

@@ -74,6 +74,9 @@ class RequestRecord(Base):
     status: Mapped[str] = mapped_column(StorableString(16), index=True)
     input_hash: Mapped[str] = mapped_column(StorableString(32), index=True)
     input: Mapped[str | None] = mapped_column(StorableText)  # only with LLMB_STORE_INPUTS
+    # what the call asked for besides its input (always kept: replay sends the same call again)
+    params: Mapped[str | None] = mapped_column(StorableText)  # JSON: generation parameters, "chat": true, ...
+    priority: Mapped[str | None] = mapped_column(StorableString(16))  # interactive or offline
     error: Mapped[str | None] = mapped_column(StorableText)
     batch_id: Mapped[str | None] = mapped_column(StorableString(64))  # the last batch that carried it
     accepted_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), index=True)
