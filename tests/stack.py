@@ -93,8 +93,9 @@ class Stack:
                                f"--port={port}"], raw_env={"FLOWER_BASIC_AUTH": ":".join(self.FLOWER_AUTH)})
         return f"http://127.0.0.1:{port}"
 
-    def start_web(self, name: str = "web", workers: int = 2, **env: object) -> str:
-        port = free_port()
+    def start_web(self, name: str = "web", workers: int = 2, port: int | None = None, **env: object) -> str:
+        """gunicorn on ``port`` (a free one by default; pass the old one to restart it where callers know it)."""
+        port = port or free_port()
         self._spawn(name, [str(BIN / "gunicorn"), "-c", "webapp/gunicorn_conf.py", "webapp:create_app()"],
                     web_bind=f"127.0.0.1:{port}", web_workers=workers, **env)
         url = f"http://127.0.0.1:{port}"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -99,34 +100,34 @@ def ledger_runs(stack: Stack, batch_id: str) -> Counter[str]:
 
 
 def test_a_batch_completes_with_one_output_or_error_per_line(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
-    texts = [f"batch text {i}" for i in range(200)]
-    texts[57] = f"this one is {POISON}"
+    texts = [f"batch text {i}" for i in range(1000)]
+    texts[557] = f"this one is {POISON}"
     batch = submit(alice, infer_lines(texts))
     assert batch.status == "validating" and batch.endpoint == "/v1/infer" and batch.completion_window == "24h"
     done = finished(alice, batch.id)
     assert done.status == "completed", done
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (200, 199, 1)
+    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (1000, 999, 1)
     assert done.in_progress_at and done.finalizing_at and done.completed_at and done.expires_at
 
     outputs, errors = read(alice, done.output_file_id), read(alice, done.error_file_id)
-    assert len(outputs) == 199 and len(errors) == 1
+    assert len(outputs) == 999 and len(errors) == 1
     ids = Counter(x["custom_id"] for x in outputs + errors)
-    assert set(ids) == {f"line-{i}" for i in range(200)} and set(ids.values()) == {1}, "every custom_id once"
+    assert set(ids) == {f"line-{i}" for i in range(1000)} and set(ids.values()) == {1}, "every custom_id once"
     for x in outputs:
         assert x["response"]["status_code"] == 200 and x["error"] is None and x["id"].startswith("batch_req_")
         assert x["response"]["body"]["output"] == expected(texts[int(x["custom_id"].split("-")[1])])
         assert x["response"]["request_id"] == x["response"]["body"]["id"]
     poison = errors[0]
-    assert poison["custom_id"] == "line-57" and poison["response"]["status_code"] == 422
+    assert poison["custom_id"] == "line-557" and poison["response"]["status_code"] == 422
     assert poison["response"]["body"]["error"]["type"] == "poison_input"
 
     out_file = alice.files.retrieve(done.output_file_id)
     assert out_file.purpose == "batch_output" and out_file.bytes > 0
 
     # the ledger links every line to its batches: its request id is the ledger's correlation id
-    wait_for(lambda: len(ledger_runs(jobs_stack, batch.id)) == 200, 20, "every line in the ledger")
-    shown = json.loads(jobs_stack.admin("jobs", "show", batch.id, "--lines", "200", "--json").stdout)
-    assert shown["status"] == "completed" and shown["lines_by_status"] == {"ok": 199, "error": 1}
+    wait_for(lambda: len(ledger_runs(jobs_stack, batch.id)) == 1000, 20, "every line in the ledger")
+    shown = json.loads(jobs_stack.admin("jobs", "show", batch.id, "--lines", "1000", "--json").stdout)
+    assert shown["status"] == "completed" and shown["lines_by_status"] == {"ok": 999, "error": 1}
     assert all(row["batches"] for row in shown["lines"]), "each line lists the batches that carried it"
     assert any(j["id"] == batch.id for j in json.loads(jobs_stack.admin("jobs", "list", "--json").stdout))
 
@@ -223,6 +224,37 @@ def holder(stack: Stack, batch_id: str) -> str:
     return found[0]
 
 
+def _streamed_chat(c: "openai.OpenAI") -> tuple[float, str]:
+    """One interactive streamed chat call: seconds until its last chunk, and its text."""
+    started, text = time.monotonic(), ""
+    for chunk in c.chat.completions.create(model="sim-lm", max_tokens=16, stream=True,
+                                           messages=[{"role": "user", "content": "are you there?"}]):
+        text += chunk.choices[0].delta.content or "" if chunk.choices else ""
+    return time.monotonic() - started, text
+
+
+def test_an_interactive_stream_beside_a_running_job_goes_first(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    """The job's lines are offline: they fill what interactive calls leave, so a stream on the same device is
+    not queued behind 600 lines (which take several times its length to run)."""
+    idle = [_streamed_chat(alice)[0] for _ in range(3)]
+    lines = [{"custom_id": f"long-{i}", "method": "POST", "url": "/v1/chat/completions",
+              "body": {"model": "sim-lm", "max_tokens": 64, "messages": [{"role": "user", "content": f"go {i}"}]}}
+             for i in range(600)]
+    batch = submit(alice, lines, "/v1/chat/completions")
+    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 20, 30, "the job running")
+    beside = []
+    for _ in range(5):
+        seconds, text = _streamed_chat(alice)
+        assert text, "the stream got its text"
+        beside.append(seconds)
+    running = alice.batches.retrieve(batch.id)
+    assert running.status == "in_progress", "the streams ran while the job had lines left"
+    # a generous bound (a loaded 2-core CI host): the job's remaining work alone takes far longer than this
+    assert max(beside) <= 3 * max(idle) + 1.0, (idle, beside)
+    done = finished(alice, batch.id, timeout_s=120)
+    assert done.status == "completed" and done.request_counts.completed == 600
+
+
 @pytest.mark.fault
 def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_stack: Stack,
                                                                           alice: "openai.OpenAI") -> None:
@@ -252,19 +284,28 @@ def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_s
 
 
 @pytest.mark.fault
-def test_a_job_survives_its_batcher_and_worker_being_killed(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_a_job_survives_its_api_batcher_and_worker_being_killed(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    items_before = jobs_stack.items_done()
     batch = submit(alice, infer_lines([f"outlive {i}" for i in range(500)], model="slow"))
     wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 100, 30, "a fifth done")
+    jobs_stack.kill("web")  # the API that took the job: lines run in llmb-jobs, not in it
     jobs_stack.kill("batcher")
     jobs_stack.kill("gpu1")  # its supervisor and worker: a host lost mid-batch
     jobs_stack.start_batcher()
     jobs_stack.start_worker(1, model="slow", sim_batch_ms=1000)
+    jobs_stack.start_web(workers=1, port=jobs_stack.port)  # back where its callers know it
     done = finished(alice, batch.id, timeout_s=90)
     assert done.status == "completed" and done.request_counts.completed == 500, done.request_counts
     outputs = read(alice, done.output_file_id)
     assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(500))
     assert all(x["response"]["body"]["output"] == expected(f"outlive {x['custom_id'].split('-')[1]}")
                for x in outputs)
+    # no line ran twice: one ledger request per line, and no more device items than lines (a batch cut off on the
+    # killed worker counts its items once more at most: they never finished there)
+    wait_for(lambda: len(ledger_runs(jobs_stack, batch.id)) == 500, 20, "every line in the ledger")
+    runs = ledger_runs(jobs_stack, batch.id)
+    assert set(runs.values()) == {1}, {k: n for k, n in runs.items() if n > 1}
+    assert jobs_stack.items_done() - items_before == 500
 
 
 def test_a_tenant_at_its_cap_backs_off_and_its_job_still_completes(jobs_stack: Stack) -> None:
