@@ -268,7 +268,7 @@ def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_s
     other = holder(jobs_stack, batch.id)  # the other process takes the job over once the lease lapses
     assert other != running
     jobs_stack.start_jobs(running)  # and the killed one comes back (it finds the job held)
-    # (a line the killed process had claimed its key for but not yet published waits for its deadline, 30 s here)
+    # (a line the killed process had claimed its key for but not yet published runs once its lease lapses)
     done = finished(alice, batch.id, timeout_s=90)
     assert done.status == "completed" and done.request_counts.completed == 400
     outputs = read(alice, done.output_file_id)

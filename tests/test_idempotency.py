@@ -266,3 +266,39 @@ def test_sigkill_of_the_api_process_holding_the_call_then_a_retry_gets_the_answe
     assert got["status"] == "completed" and got["response"]["body"] == retry.json()
     assert ran(keyed, before) == 1
 
+
+
+def test_a_claim_whose_process_died_before_publishing_is_taken_over_at_once() -> None:
+    """At the Redis level: the claim names a record that was never published and whose process holds no lease.
+    A retry claims the key at once (the call never ran); a published one, or one whose process lives, is waited on."""
+    import redis as redis_lib
+
+    from tasks.state.keys import Keys
+    from tasks.state.requests import Idempotency, Record, Requests
+    from tests.stack import REDIS_URL
+
+    client = redis_lib.Redis.from_url(REDIS_URL)
+    keys = Keys(f"idem-unit-{uuid.uuid4().hex[:8]}")
+    leases = keys.inflight + ":instances"
+    requests_ = Requests(client, keys, ttl_s=60, leases_key=leases)
+    now = float(client.time()[0])
+
+    def record(request_id: str, instance: str) -> Record:
+        return Record(request_id=request_id, tenant="t", model="sim", items=(uuid.uuid4().hex,), accepted_at=now,
+                      deadline=now + 30, instance=instance, published=False)
+
+    try:
+        client.zadd(leases, {"alive": now + 60})
+        for instance, publish, taken_over in (("dead", False, True), ("dead", True, False), ("alive", False, False)):
+            idem = Idempotency(f"key-{instance}-{publish}", "body")
+            first = record(uuid.uuid4().hex, instance)
+            assert requests_.claim(first, idem, now).claimed
+            if publish:
+                requests_.published(first)
+            assert requests_.peek("t", idem).claimed is taken_over
+            retry = requests_.claim(record(uuid.uuid4().hex, "retrier"), idem, now)
+            assert retry.claimed is taken_over, (instance, publish)
+            if not taken_over:
+                assert retry.view is not None and retry.view.record.request_id == first.request_id
+    finally:
+        client.delete(*client.keys(f"{keys.namespace}:*") or ["none"])

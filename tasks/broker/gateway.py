@@ -388,6 +388,12 @@ class Gateway:
             log.warning("could not record the outcome of request %s: %s", entered.record.request_id, exc)
         return True
 
+    def _mark_published(self, record: Record) -> None:
+        try:
+            self.requests.published(record)
+        except redis.RedisError as exc:  # a retry after this process died would wait for the deadline
+            log.warning("could not mark request %s published: %s", record.request_id, exc)
+
     def _forget(self, record: Record, idempotency: Idempotency | None) -> None:
         try:
             self.requests.release(record, idempotency)
@@ -417,7 +423,8 @@ class Gateway:
             if idempotency is None:
                 break
             self._keep_lease()  # the lease tells whoever follows this call that its process is alive
-            claim = self._redis(partial(self.requests.claim, prepared.record, idempotency, self.clock()))
+            claim = self._redis(partial(self.requests.claim, replace(prepared.record, published=False),
+                                        idempotency, self.clock()))
             if claim.claimed:
                 break
             answer = self._follow(call, idempotency, claim, prepared.deadline, follow)
@@ -429,6 +436,8 @@ class Gateway:
             if idempotency is not None:
                 self._forget(prepared.record, idempotency)
             raise
+        if idempotency is not None:
+            self._mark_published(prepared.record)
         return _Entered([i.id for i in prepared.request.items], prepared.deadline, prepared.request.accepted_at,
                         prepared.record, idempotency, waiter)
 

@@ -14,7 +14,10 @@ Two kinds of key, both living as long as results do (``LLMB_RESULT_TTL_S`` after
 The answer itself is never copied: results stay in the workers' result keys (by item id), so whoever reads a
 record (another API process, after the first one was killed) rebuilds the same answer from them; a finished
 call's record expires with its first result. A call
-refused before it was published is forgotten (:meth:`Requests.release`), so a retry with its key runs.
+refused before it was published is forgotten (:meth:`Requests.release`), so a retry with its key runs; so does a
+retry of a call whose process died after claiming its key and before publishing it (its record says it was never
+published; the mark is written just after the publish is confirmed, so a process that dies in that millisecond
+can have its call run twice).
 """
 from __future__ import annotations
 
@@ -59,8 +62,8 @@ end
 #       4 prefix of the tenant's record keys, 5 prefix of result keys
 #       6 'peek' to only look (KEYS[2] and ARGV[2] unused)
 # Returns {'claimed'} ({'free'} for a peek), or {'held', claim, record, items with a result, 1 if its API process
-# is alive, Redis time}. A key whose record is gone (expired, or replaced by a later call reusing its request id)
-# is free again.
+# is alive, Redis time}. A key whose record is gone (expired, or replaced by a later call reusing its request id),
+# or whose call was never published and whose process is dead, is free again.
 _CLAIM = _VIEW + """
 local held = redis.call('GET', KEYS[1])
 if held then
@@ -68,7 +71,9 @@ if held then
   local record = redis.call('GET', ARGV[4] .. claim.request_id)
   if record and cjson.decode(record).items[1] == claim.item then
     local found = view(record, ARGV[5], KEYS[3])
-    return {'held', held, found[1], found[2], found[3], found[4]}
+    -- a call whose process died before publishing it will never run: its key is free again
+    local never = cjson.decode(record).published == false and found[3] == 0
+    if not never then return {'held', held, found[1], found[2], found[3], found[4]} end
   end
 end
 if ARGV[6] == 'peek' then return {'free'} end
@@ -134,6 +139,9 @@ class Record:
     instance: str  # the API process that runs it (its admission lease says whether it is alive)
     shape: Shape = field(default_factory=Shape)
     outcome: Outcome | None = None
+    # idempotent calls: written False with the claim, True once the request is in RabbitMQ; a claim whose call
+    # was never published and whose process is dead is taken over at once, not waited on until its deadline
+    published: bool | None = None
 
     def to_json(self) -> str:
         return json.dumps({**self.__dict__, "shape": asdict(self.shape),
@@ -279,6 +287,11 @@ class Requests:
         pipe.set(self.keys.request(record.tenant, record.request_id), done, ex=ttl_s)
         pipe.expire(self._idem_key(record.tenant, idem), ttl_s)
         pipe.execute()
+
+    def published(self, record: Record) -> None:
+        """Mark an idempotent call's record: its request is in RabbitMQ, so a retry waits for it to be answered."""
+        self.client.set(self.keys.request(record.tenant, record.request_id),
+                        replace(record, published=True).to_json(), keepttl=True)
 
     def release(self, record: Record, idem: Idempotency | None) -> None:
         """Forget a call that did not run (refused, or a stream whose caller went away), and free its key."""
