@@ -58,6 +58,7 @@ class Settings:
     max_body_bytes: int = 1_048_576
     body_timeout_s: float = 10.0
     door_max_delay_ms: float = 1000.0
+    admit_concurrency: int = 32
     default_timeout_ms: int = 30_000
     max_timeout_ms: int = 300_000
     retry_after_s: int = 1
@@ -199,6 +200,7 @@ DOCS: dict[str, str] = {
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
     "door_max_delay_ms": "An inference request whose API process got to it this long after accepting its connection (the process is CPU-bound: a burst) is refused at once with 429 overloaded, so the work already admitted is still answered in time.",
+    "admit_concurrency": "Calls one API process takes through admission and publishing at once (the Redis and RabbitMQ round trips); the rest wait their turn in arrival order, and one still waiting LLMB_DOOR_MAX_DELAY_MS after its arrival gets 429 overloaded, with a Retry-After from the rate calls are passing (0: no limit).",
     "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",
     "max_timeout_ms": "Largest timeout_ms a caller may ask for.",

@@ -9,15 +9,21 @@ callers already admitted.
 """
 from __future__ import annotations
 
+import io
 import json
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+import gevent
+
+from tasks.broker.gate import Gate
 from tasks.config import Settings
 from tasks.errors import Overloaded, QueueFull
+from tasks.policy.callers import RecentCallers
 from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import NATIVE, OPENAI
 from webapp.validation import request_id_from
@@ -43,24 +49,45 @@ class Door:
     admission and lets the queue drain (like CoDel, with the delay measured per request, not sampled)."""
 
     def __init__(self, limit: int, retry_after_s: int, max_delay_s: float = float("inf"),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, gate: Gate | None = None) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
         self.max_delay_s = max_delay_s
         self.clock = clock
+        self.gate = gate  # the process's turnstile in front of admission: a request that would wait too long is refused
         self.held = 0
+        self.callers = RecentCallers(clock)
         self._lock = threading.Lock()  # gevent's own lock once gunicorn's worker has monkey-patched threading
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Door:
-        return cls(process_share(settings), settings.retry_after_s, settings.door_max_delay_ms / 1000)
+    def from_settings(cls, settings: Settings, gate: Gate | None = None) -> Door:
+        return cls(process_share(settings), settings.retry_after_s, settings.door_max_delay_ms / 1000, gate=gate)
 
-    def enter(self, arrived_at: float | None = None) -> None:
+    def enter(self, arrived_at: float | None = None, caller: str = "",
+              identify: Callable[[], str] | None = None) -> None:
         """Count one more request held, or raise QueueFull (nothing counted) when the process holds its share,
-        or Overloaded when the request waited longer than ``max_delay_s`` for this process to get to it."""
-        if arrived_at is not None and (delay := self.clock() - arrived_at) > self.max_delay_s:
-            raise Overloaded(f"this API process is running {delay * 1000:.0f} ms behind (a burst); retry in "
-                             f"{self.retry_after_s} s", retry_after_s=self.retry_after_s)
+        or Overloaded when the request waited longer than ``max_delay_s`` for this process to get to it, or
+        would wait too long for its turn at admission.
+
+        ``caller`` says who sends it (its API key or X-Tenant header); when it is empty and the request is about
+        to be refused, ``identify`` may name it (the tenant in its body). A caller sending well under an even
+        share of this process's recent requests is let in late all the same: a burst from one caller must not
+        get the others refused."""
+        delay = 0.0 if arrived_at is None else self.clock() - arrived_at
+        wait = self.gate.expected_wait_s() if self.gate is not None else 0.0
+        late = delay > self.max_delay_s
+        behind = late or wait > self.max_delay_s - delay  # it could not get its turn at admission in time
+        if behind and not caller and identify is not None:
+            caller = identify()
+        self.callers.arrived(caller)
+        if behind and not self.callers.light(caller):
+            if late:
+                raise Overloaded(f"this API process is running {delay * 1000:.0f} ms behind (a burst); retry in "
+                                 f"{self.retry_after_s} s", retry_after_s=self.retry_after_s)
+            assert self.gate is not None
+            retry = self.gate.retry_after_s()
+            raise Overloaded(f"this API process would take {(delay + wait) * 1000:.0f} ms to get to the request "
+                             f"(more calls than it can admit in time); retry in {retry} s", retry_after_s=retry)
         with self._lock:
             if self.held >= self.limit:
                 raise QueueFull(f"this API process holds {self.held} requests, its share of the admission caps; "
@@ -88,7 +115,8 @@ class DoorMiddleware:
         if environ.get("REQUEST_METHOD") != "POST" or not self.is_inference(environ.get("PATH_INFO", "")):
             return self.app(environ, start_response)
         try:
-            self.door.enter(arrived_at)
+            self.door.enter(arrived_at, environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_TENANT") or "",
+                            lambda: _tenant_in_body(environ))
         except QueueFull as exc:
             HTTP_REQUESTS.labels(str(exc.status), exc.type).inc()  # no log line: it would cost more than this
             request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
@@ -131,3 +159,29 @@ class _LeaveWhenDone:
         leave, self._leave = self._leave, None
         if leave is not None:
             leave()
+
+
+PEEK_MAX_BYTES = 16_384  # a body the door may read to find its tenant: a small one, all there already
+PEEK_TIMEOUT_S = 0.05
+_TENANT = re.compile(rb'"tenant"\s*:\s*"([^"\\]{1,64})"')
+
+
+def _tenant_in_body(environ: WSGIEnvironment) -> str:
+    """The tenant a small request body names (without API keys a caller may name itself there), read at the door
+    only for a request it is about to refuse; the body is put back for Flask. "" when there is none, the body
+    is large, or it does not come within PEEK_TIMEOUT_S (that request is refused as it would have been)."""
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or -1)
+    except ValueError:
+        return ""
+    if not 0 < length <= PEEK_MAX_BYTES:
+        return ""
+    stream = environ["wsgi.input"]
+    try:
+        with gevent.Timeout(PEEK_TIMEOUT_S):
+            body = stream.read(length)
+    except (gevent.Timeout, OSError, ValueError):
+        return ""
+    environ["wsgi.input"] = io.BytesIO(body)
+    found = _TENANT.search(body)
+    return found.group(1).decode("utf-8", "replace") if found else ""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from flask import Flask, current_app
 from prometheus_client import CollectorRegistry, multiprocess
 
+from tasks.broker.gate import Gate
 from tasks.broker.gateway import Gateway, redis_client
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
@@ -37,12 +38,14 @@ class Services:
         publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
                                      settings.persistent_requests, settings.queue_type)
         keys = KeyStore.from_settings(settings)
-        gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex)
+        gate = Gate(settings.admit_concurrency, settings.door_max_delay_ms / 1000) if settings.admit_concurrency \
+            else None
+        gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex, gate=gate)
         return cls(settings=settings,
                    gateway=gateway,
                    keys=keys,
                    tenants=TenantDirectory(keys, ttl_s=settings.auth_cache_s),
-                   door=Door.from_settings(settings),
+                   door=Door.from_settings(settings, gate),
                    metrics=metrics_registry(settings, gateway, publisher))
 
 

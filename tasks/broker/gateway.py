@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ import redis
 from amqp.exceptions import AMQPError
 from kombu.exceptions import KombuError
 
+from tasks.broker.gate import NO_GATE, Gate, Turn
 from tasks.broker.queues import PublisherBusy, PublishTimeout, RequestPublisher
 from tasks.config import Settings
 from tasks.errors import (
@@ -175,8 +177,10 @@ class _Entered:
 
 
 class Gateway:
-    def __init__(self, settings: Settings, client: redis.Redis, publisher: RequestPublisher, instance_id: str) -> None:
+    def __init__(self, settings: Settings, client: redis.Redis, publisher: RequestPublisher, instance_id: str,
+                 gate: Gate | None = None) -> None:
         self.settings = settings
+        self.gate = gate  # an API process's turnstile in front of admission (none: every call goes at once)
         self.client = client
         self.publisher = publisher
         self.keys = Keys.from_settings(settings)
@@ -419,19 +423,26 @@ class Gateway:
         call, that call is followed instead (:meth:`_follow`). Any refusal before the request is published
         releases the key."""
         while True:
-            prepared = self._prepare(call, shape)
-            if idempotency is None:
-                break
-            self._keep_lease()  # the lease tells whoever follows this call that its process is alive
-            claim = self._redis(partial(self.requests.claim, replace(prepared.record, published=False),
-                                        idempotency, self.clock()))
-            if claim.claimed:
-                break
-            answer = self._follow(call, idempotency, claim, prepared.deadline, follow)
+            with self._turn() as turn:
+                prepared = self._prepare(call, shape)
+                claim = None
+                if idempotency is not None:
+                    self._keep_lease()  # the lease tells whoever follows this call that its process is alive
+                    claim = self._redis(partial(self.requests.claim, replace(prepared.record, published=False),
+                                                idempotency, self.clock()))
+                if idempotency is None or claim is None or claim.claimed:
+                    return self._admitted(call, prepared, idempotency, turn)
+            answer = self._follow(call, idempotency, claim, prepared.deadline, follow)  # its turn given up
             if answer is not None:
                 return answer
+
+    def _turn(self) -> AbstractContextManager[Turn]:
+        """A call's turn through admission (at once when the process has no gate)."""
+        return nullcontext(NO_GATE) if self.gate is None else self.gate.passage()
+
+    def _admitted(self, call: Call, prepared: _Prepared, idempotency: Idempotency | None, turn: Turn) -> _Entered:
         try:
-            waiter = self._admit(call, prepared, recorded=idempotency is not None)
+            waiter = self._admit(call, prepared, turn, recorded=idempotency is not None)
         except BaseException:
             if idempotency is not None:
                 self._forget(prepared.record, idempotency)
@@ -467,8 +478,9 @@ class Gateway:
         item_tokens, token_cap = self._token_demand(call)
         return _Prepared(request, record, remaining_s, deadline, item_tokens, token_cap)
 
-    def _admit(self, call: Call, prepared: _Prepared, *, recorded: bool) -> Any:
-        """Admit a prepared call, record it (unless its idempotency claim did) and publish it."""
+    def _admit(self, call: Call, prepared: _Prepared, turn: Turn, *, recorded: bool) -> Any:
+        """Admit a prepared call, record it (unless its idempotency claim did) and publish it (its ``turn`` at the
+        gate given up once only the broker's confirm is left to wait for)."""
         request, remaining_s, deadline = prepared.request, prepared.remaining_s, prepared.deadline
         accepted_at = request.accepted_at
         ids = [i.id for i in request.items]
@@ -517,6 +529,7 @@ class Gateway:
                 recorded = written = True
             # listening before publishing: a result or streamed text can come back before publish() returns
             waiter = self.listener.expect(ids)
+            turn.leave()
             try:
                 budget = min(self.settings.publish_timeout_s, max(0.0, deadline - time.monotonic()))
                 self.publisher.publish(request, budget)

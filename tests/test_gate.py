@@ -1,0 +1,93 @@
+"""The turnstile in front of admission (tasks/broker/gate.py) and the door's use of it, with an injected clock."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tasks.broker.gate import Gate
+from tasks.errors import Overloaded
+from webapp.door import Door
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_drain_rate_is_measured_and_gives_the_expected_wait_and_retry_after() -> None:
+    clock = Clock()
+    gate = Gate(slots=2, max_wait_s=1.0, clock=clock)
+    assert gate.expected_wait_s() == 0.0 and gate.retry_after_s() == 1  # nothing measured, nothing waiting
+    for _ in range(50):  # each call holds its slot 20 ms: two slots drain 100 calls a second
+        with gate.passage():
+            clock.now += 0.02
+    assert gate.drain_rate() == pytest.approx(100)
+    gate.waiting = 300  # (what the waiting calls' counter would read)
+    assert gate.expected_wait_s() == pytest.approx(3.0)
+    assert gate.retry_after_s() == math.ceil(gate.expected_wait_s())  # the queue at its drain rate, not a constant
+
+
+def test_a_call_that_waits_too_long_for_its_turn_is_refused() -> None:
+    gate = Gate(slots=1, max_wait_s=0.05)  # a real clock: the wait is a real semaphore timeout
+    with gate.passage():
+        with pytest.raises(Overloaded) as late:
+            with gate.passage():
+                pass
+        assert late.value.status == 429 and "for its turn" in late.value.message and gate.waiting == 0
+    with gate.passage():  # the slot is free again
+        pass
+
+
+def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_time() -> None:
+    clock = Clock()
+    gate = Gate(slots=4, max_wait_s=1.0, clock=clock)
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, clock=clock, gate=gate)
+    door.enter(clock.now)
+    gate.waiting, gate.hold_s = 130, 0.04  # 4 slots of 40 ms: 100 calls a second, 1.3 s of queue (it has 1 s)
+    with pytest.raises(Overloaded) as refused:
+        door.enter(clock.now)
+    assert refused.value.retry_after_s == 2 and "would take 1300 ms" in refused.value.message
+    assert door.held == 1  # a refusal holds nothing
+    gate.waiting = 50  # 0.5 s of queue: let in, unless it has already waited 0.6 s to get to the door
+    door.enter(clock.now)
+    with pytest.raises(Overloaded):
+        door.enter(clock.now - 0.6)
+    assert door.held == 2
+
+
+def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
+    clock = Clock()
+    door = Door(limit=10_000, retry_after_s=1, max_delay_s=1.0, clock=clock)
+    for i in range(500):
+        clock.now += 0.002  # the flood: 500 a second
+        door.enter(clock.now, "flood")
+        if i % 100 == 0:
+            door.enter(clock.now, "steady")  # 5 a second
+    late = clock.now - 1.5  # the process is 1.5 s behind
+    with pytest.raises(Overloaded):
+        door.enter(late, "flood")
+    door.enter(late, "steady")  # well under an even share of the recent requests: let in
+    door.enter(late, "", identify=lambda: "steady")  # named only in its body, read when about to refuse
+    alone = Door(limit=10_000, retry_after_s=1, max_delay_s=1.0, clock=clock)
+    with pytest.raises(Overloaded):  # a single caller is never "light": shedding still works for it
+        alone.enter(late, "only")
+
+
+def test_recent_callers_forget_after_two_seconds() -> None:
+    from tasks.policy.callers import RecentCallers
+
+    clock = Clock()
+    callers = RecentCallers(clock)
+    for _ in range(100):
+        callers.arrived("a")
+    callers.arrived("b")
+    assert callers.light("b") and not callers.light("a")
+    clock.now += 1
+    assert callers.light("b")  # the last second still counts
+    clock.now += 1.5
+    callers.arrived("b")
+    assert not callers.light("b")  # "a" is forgotten: "b" alone
