@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -39,20 +40,23 @@ class Gate:
         self._free = threading.Semaphore(slots)
         self._lock = threading.Lock()
         self.hold_s = 0.0  # mean time a call holds its slot (exponentially weighted)
+        self._since: OrderedDict[object, float] = OrderedDict()  # when each waiting call started waiting, oldest first
 
     @contextmanager
     def passage(self) -> Iterator[Turn]:
         """Hold a slot for the block (or until its :meth:`Turn.leave`): wait for one up to ``max_wait_s``, or
         raise Overloaded. (The door has already refused, by the expected wait, the calls of heavy callers that
         would not get their turn in time; the calls it let in wait their turn here.)"""
-        started = self.clock()
+        started, ticket = self.clock(), object()
         with self._lock:
             self.waiting += 1
+            self._since[ticket] = started
         try:
             got = self._free.acquire(timeout=self.max_wait_s)
         finally:
             with self._lock:
                 self.waiting -= 1
+                del self._since[ticket]
         if not got:
             waited = self.clock() - started
             raise Overloaded(f"this API process kept the request waiting {waited * 1000:.0f} ms for its turn at "
@@ -75,10 +79,15 @@ class Gate:
         return self.slots / self.hold_s if self.hold_s > 0 else math.inf
 
     def expected_wait_s(self) -> float:
-        """How long a call arriving now would wait for its turn: the calls waiting, at the drain rate."""
+        """How long a call arriving now would wait for its turn: the calls waiting, at the drain rate, or the
+        time the oldest of them has waited so far, whichever is longer (the mean lags behind a sudden slow-down;
+        the oldest call's wait does not)."""
         with self._lock:
             waiting = self.waiting
-        return waiting / self.drain_rate() if waiting else 0.0
+            oldest = next(iter(self._since.values()), None)
+        if not waiting:
+            return 0.0
+        return max(waiting / self.drain_rate(), 0.0 if oldest is None else self.clock() - oldest)
 
     def retry_after_s(self) -> int:
         """Seconds until the calls waiting now would have passed (at least 1)."""

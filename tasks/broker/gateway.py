@@ -68,6 +68,11 @@ def redis_client(settings: Settings) -> redis.Redis:
                                 socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=2)
 
 
+# After a FULL verdict for a model, this process refuses that model's calls of the same class for this long without
+# asking Redis again: at 400 items/s a few items' worth of room, against a queue a few seconds deep.
+FULL_HOLD_S = 0.02
+
+
 def _overloaded(exc: Exception) -> Overloaded:
     return Overloaded(f"this API process is overloaded ({exc}); retry in a moment",
                       retry_after_s=1)
@@ -181,6 +186,7 @@ class Gateway:
                  gate: Gate | None = None) -> None:
         self.settings = settings
         self.gate = gate  # an API process's turnstile in front of admission (none: every call goes at once)
+        self._full: dict[tuple[str, Priority], tuple[float, QueueFull]] = {}  # model, class -> (until, refusal)
         self.client = client
         self.publisher = publisher
         self.keys = Keys.from_settings(settings)
@@ -224,6 +230,26 @@ class Gateway:
         """Reads a call's results and releases the admission of those that have one, in one round trip."""
         return lambda ids: self.admission.collect(ticket, ids, [self.result_key(i) for i in ids])
 
+    def _finishing_reader(self, ticket: Ticket, entered: _Entered, started: float,
+                          finished: list[float]) -> Callable[[Sequence[str]], list[bytes | None]]:
+        """:meth:`_reader`, which also records a successful outcome when one read finds every result (a call
+        without an idempotency key: its outcome is then written in the same round trip); ``finished`` gets the
+        call's total_ms when it did."""
+        every = len(entered.ids)
+
+        def read(ids: Sequence[str]) -> list[bytes | None]:
+            keys = [self.result_key(i) for i in ids]
+            if len(ids) < every:
+                return self.admission.collect(ticket, ids, keys)
+            total_ms = round((time.monotonic() - started) * 1000, 1)
+            values, done = self.admission.collect_finishing(
+                ticket, ids, keys, self.requests.finished(entered.record, Outcome(200, total_ms=total_ms)))
+            if done:
+                finished.append(total_ms)
+            return values
+
+        return read
+
     def submit(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Answer:
         """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure.
 
@@ -235,14 +261,20 @@ class Gateway:
             return entered
         ids, deadline = entered.ids, entered.deadline
         ticket = Ticket(call.tenant, call.model, call.priority)
+        started = call.received_at or entered.deadline - call.timeout_ms / 1000
         found: dict[str, ItemResult] = {}
+        finished: list[float] = []  # total_ms, once the read that found every result also recorded the outcome
         try:
-            found = self.listener.wait(ids, deadline, self._reader(ticket), waiter=entered.waiter)
+            found = self.listener.wait(ids, deadline, self._finishing_reader(ticket, entered, started, finished)
+                                       if idempotency is None else self._reader(ticket), waiter=entered.waiter)
         except redis.RedisError as exc:
             raise Unavailable(f"Redis is unreachable while waiting for the result: {exc}") from None
         finally:  # items with a result were released as they were read: release the rest
             self._release(ticket, [i for i in ids if i not in found])
-        total_ms = round((time.monotonic() - (call.received_at or entered.deadline - call.timeout_ms / 1000)) * 1000, 1)
+        if finished and len(found) == len(ids):
+            return Answer(results=tuple(found[i] for i in ids), accepted_at=entered.accepted_at,
+                          request_id=call.request_id, total_ms=finished[0])
+        total_ms = round((time.monotonic() - started) * 1000, 1)
         if len(found) < len(ids):
             error: BatchingError = DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
             self._settle(entered, error)  # before the cancel: a retry must never take a cancelled output for it
@@ -423,6 +455,7 @@ class Gateway:
         call, that call is followed instead (:meth:`_follow`). Any refusal before the request is published
         releases the key."""
         while True:
+            self._still_full(call)
             with self._turn() as turn:
                 prepared = self._prepare(call, shape)
                 claim = None
@@ -435,6 +468,13 @@ class Gateway:
             answer = self._follow(call, idempotency, claim, prepared.deadline, follow)  # its turn given up
             if answer is not None:
                 return answer
+
+    def _still_full(self, call: Call) -> None:
+        """Raise the QueueFull of the model's last FULL verdict while it is fresh (FULL_HOLD_S): the calls of a
+        flood are then refused without waiting for a turn or asking Redis, in the time a batch drains a few items."""
+        held = self._full.get((call.model, call.priority))
+        if held is not None and time.monotonic() < held[0]:
+            raise QueueFull(held[1].message, retry_after_s=held[1].retry_after_s)
 
     def _turn(self) -> AbstractContextManager[Turn]:
         """A call's turn through admission (at once when the process has no gate)."""
@@ -486,14 +526,16 @@ class Gateway:
         ids = [i.id for i in request.items]
         hashes = [input_hash(call.model, text) for text in call.inputs]
         ticket = Ticket(call.tenant, call.model, call.priority)
-        written = False  # a record this method wrote, to forget if the call is not published
         waiter = None  # the result listener's, once registered
+        # the record must exist before any result does: written with the admission (unless its claim wrote it)
+        record = None if recorded else self.requests.admitted(prepared.record, self.clock())
         try:
             self._keep_lease()
             verdict, bad_hash, ahead = self.admission.try_admit(
                 ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
                 model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap,
-                valid_until=self.clock() + ADMIT_VALID_S, tokens=prepared.item_tokens, token_cap=prepared.token_cap)
+                valid_until=self.clock() + ADMIT_VALID_S, tokens=prepared.item_tokens, token_cap=prepared.token_cap,
+                record=record)
         except PoolExhausted as exc:
             raise _overloaded(exc) from None
         except redis.RedisError as exc:
@@ -513,10 +555,10 @@ class Gateway:
             raise QueueFull(f"the KV memory of every worker serving {call.model!r} is spoken for ({ahead} tokens "
                             "admitted and unanswered); retry later", retry_after_s=self.settings.retry_after_s)
         if verdict is Verdict.FULL:
-            raise QueueFull(
-                "the service is full: no room to answer this request within its deadline; retry later",
-                retry_after_s=self._retry_after(call.model, ahead),
-            )
+            error = QueueFull("the service is full: no room to answer this request within its deadline; retry later",
+                              retry_after_s=self._retry_after(call.model, ahead))
+            self._full[ticket.model, ticket.priority] = (time.monotonic() + FULL_HOLD_S, error)
+            raise error
         try:  # after admission, so that a quarantined input is refused as such even while no worker is up
             models = self.live_models()
             if call.model not in models:  # before refusing, make sure: the cached view may predate a worker
@@ -524,9 +566,6 @@ class Gateway:
             if call.model not in models:
                 served = ", ".join(sorted(models)) or "none"
                 raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
-            if not recorded:  # before publishing: the record must exist before any result does
-                self._redis(lambda: self.requests.admitted(prepared.record, self.clock()))
-                recorded = written = True
             # listening before publishing: a result or streamed text can come back before publish() returns
             waiter = self.listener.expect(ids)
             turn.leave()
@@ -541,7 +580,7 @@ class Gateway:
                 raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
         except BaseException:
             self._release(ticket, ids)
-            if written:
+            if record is not None:  # the record the admission wrote
                 self._forget(prepared.record, None)
             if waiter is not None:
                 self.listener.forget(ids, waiter)

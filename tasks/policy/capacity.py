@@ -28,14 +28,17 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     """How many items may be in flight for a new request to still be answered within ``timeout_s``.
 
     The fleet's throughput (batch size over measured batch time, summed over live workers) times the time
-    the caller is willing to wait; never less than one full batch per worker, never more than the
-    configured cap. A request beyond it would only wait to time out, so it is refused at once instead.
+    the caller is willing to wait less two batch times (the batch running when its turn comes, and its own);
+    never less than one full batch per worker, never more than the configured cap. A request beyond it would
+    only wait to time out, so it is refused at once instead.
     """
     rate = throughput(workers)
     if rate <= 0:
         return configured
     floor = sum(w.max_batch for w in workers)
-    return min(configured, max(floor, int(rate * timeout_s)))
+    # an item admitted now waits for those ahead, then for the batch running when its turn comes, then its own
+    batch_s = max(w.batch_ms_estimate for w in workers) / 1000
+    return min(configured, max(floor, int(rate * (timeout_s - 2 * batch_s))))
 
 
 def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headroom: float) -> int | None:

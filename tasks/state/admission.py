@@ -83,10 +83,12 @@ end
 
 # KEYS: 1 global (deadline), 2 global arrivals, 3 quarantine, 4 tenant (deadline), 5 model interactive
 #       (deadline), 6 model interactive arrivals, 7 model arrival counter for this second, 8 model offline
-#       (deadline), 9 global offline (deadline), 10 this process's owner hash, 11 leases
+#       (deadline), 9 global offline (deadline), 10 this process's owner hash, 11 leases, 12 the call's record
+#       ('' for none: written with the admission, so that admitting a call is one round trip)
 # ARGV: 1 interactive cap, 2 model cap, 3 tenant cap, 4 timeout (s), 5 n, 6 priority, 7 offline cap,
 #       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), 11 valid until
-#       (Redis time), 12 the model's token budget (0: none), item ids..., hashes..., estimated tokens...
+#       (Redis time), 12 the model's token budget (0: none), 13 the record (JSON), 14 its TTL (s),
+#       item ids..., hashes..., estimated tokens...
 # Returns 'ok', 'quarantined:<hash>', 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set,
 # 'tokens_full:<n>' with the tokens the model holds, or
 # 'late' when the call reached Redis after its caller stopped waiting for the answer (a link that came back:
@@ -96,7 +98,7 @@ end
 _ADMIT = _PURGE + """
 if now > tonumber(ARGV[11]) then return 'late' end
 local n = tonumber(ARGV[5])
-local first = 13
+local first = 15
 for i = first + n, #ARGV do
   if redis.call('SISMEMBER', KEYS[3], ARGV[i]) == 1 then return 'quarantined:' .. ARGV[i] end
 end
@@ -146,19 +148,37 @@ for i = first, first + n - 1 do
     redis.call('ZADD', KEYS[6], now, ARGV[i])
   end
 end
+if KEYS[12] ~= '' then redis.call('SET', KEYS[12], ARGV[13], 'EX', ARGV[14]) end
 return 'ok'
 """
 
-# KEYS: the six sets of one call (the fifth: its model's deadline set), its owner hash, result keys...; ARGV: the
-# item ids of those keys, in order. Reads the results and releases the admission of every item that has one,
-# in one round trip.
+# KEYS: the six sets of one call (the fifth: its model's deadline set), its owner hash, its record ('' for none),
+# result keys...; ARGV: 1 the record as finished with 200 ('' for none), the item ids of those keys, in order.
+# Reads the results and releases the admission of every item that has one, in one round trip. With a record:
+# when every result is there and none is an error, the record is written finished, to expire with the first of
+# its results, and 'finished' is appended to the values.
 _COLLECT = _FORGET + """
-local values = redis.call('MGET', unpack(KEYS, 8))
+local values = redis.call('MGET', unpack(KEYS, 9))
+local all = true
 for i = 1, #values do
   if values[i] then
-    for k = 1, 6 do redis.call('ZREM', KEYS[k], ARGV[i]) end
-    redis.call('HDEL', KEYS[7], ARGV[i])
-    forget(KEYS[5], ARGV[i])
+    for k = 1, 6 do redis.call('ZREM', KEYS[k], ARGV[i + 1]) end
+    redis.call('HDEL', KEYS[7], ARGV[i + 1])
+    forget(KEYS[5], ARGV[i + 1])
+  else
+    all = false
+  end
+end
+if KEYS[8] ~= '' and all then
+  local ttl = nil
+  for i = 1, #values do
+    if cjson.decode(values[i]).error then return values end
+    local left = redis.call('TTL', KEYS[8 + i])
+    if ttl == nil or left < ttl then ttl = left end
+  end
+  if ttl and ttl > 0 then
+    redis.call('SET', KEYS[8], ARGV[1], 'EX', ttl)
+    values[#values + 1] = 'finished'
   end
 end
 return values
@@ -287,22 +307,25 @@ class Admission:
 
     def try_admit(self, item_ids: Sequence[str], hashes: Sequence[str], *, ticket: Ticket, now: float,
                   timeout_s: float, model_cap: int | None = None, tenant_cap: int | None = None,
-                  valid_until: float | None = None, tokens: Sequence[int] = (), token_cap: int = 0) -> Decision:
+                  valid_until: float | None = None, tokens: Sequence[int] = (), token_cap: int = 0,
+                  record: tuple[str, str, int] | None = None) -> Decision:
         """Admit all items or none, each until Redis's clock passes now + ``timeout_s`` (``now``, this host's
         clock, only names the arrival-rate bucket). A call that reaches Redis after ``valid_until`` (Redis
         time: the caller has given up on the answer by then) is not admitted: LATE. ``tokens``: each item's
         estimated tokens (generation items; 0 or empty for others), admitted only while the model's admitted
-        tokens stay within ``token_cap`` (0: no token budget): TOKENS_FULL."""
+        tokens stay within ``token_cap`` (0: no token budget): TOKENS_FULL. ``record``: (key, value, TTL) of the
+        call's record, written only if the call is admitted."""
         model = self.model_key(ticket.model)
         keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
                 model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline", self.offline_key,
-                self.owner_key, self.leases_key]
+                self.owner_key, self.leases_key, record[0] if record else ""]
         entry = SEP.join((ticket.tenant, ticket.model, ticket.priority))
         raw = self._admit(keys=keys, args=[self.cap, self.cap if model_cap is None else model_cap,
                                            self.cap if tenant_cap is None else tenant_cap, timeout_s,
                                            len(item_ids), ticket.priority, self.offline_cap, entry, self.instance,
                                            self.lease_s, NEVER if valid_until is None else valid_until,
-                                           token_cap, *item_ids, *hashes,
+                                           token_cap, record[1] if record else "", record[2] if record else 0,
+                                           *item_ids, *hashes,
                                            *(tokens or [0] * len(item_ids))])
         text = raw.decode() if isinstance(raw, bytes) else str(raw)
         verdict, _, detail = text.partition(":")
@@ -312,7 +335,16 @@ class Admission:
 
     def collect(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
         """Read these items' result keys; items that have a result stop counting against the caps."""
-        return list(self._collect(keys=[*self._sets(ticket), self.owner_key, *result_keys], args=list(item_ids)))
+        return self.collect_finishing(ticket, item_ids, result_keys)[0]
+
+    def collect_finishing(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str],
+                          record: tuple[str, str] | None = None) -> tuple[list[bytes | None], bool]:
+        """:meth:`collect`, and, with ``record`` (key, value as finished), write the call's record in the same
+        round trip when every result is in and none is an error (True: it was written)."""
+        key, value = record or ("", "")
+        values = list(self._collect(keys=[*self._sets(ticket), self.owner_key, key, *result_keys],
+                                    args=[value, *item_ids]))
+        return values[:len(item_ids)], len(values) > len(item_ids)
 
     def release(self, ticket: Ticket, item_ids: Sequence[str]) -> None:
         if item_ids:

@@ -267,10 +267,14 @@ class Requests:
         return Claim(view=View(Record.from_json(raw), int(present), bool(int(alive)), float(redis_now)),
                      same_body=json.loads(held)["body"] == idem.body_hash)
 
-    def admitted(self, record: Record, now: float) -> None:
-        """Record a call without an idempotency key, once it is admitted."""
-        self.client.set(self.keys.request(record.tenant, record.request_id), record.to_json(),
-                        ex=self._ttl(record, now))
+    def admitted(self, record: Record, now: float) -> tuple[str, str, int]:
+        """The write that records a call without an idempotency key: (key, value, TTL), for the admission script
+        to make with the admission itself."""
+        return self.keys.request(record.tenant, record.request_id), record.to_json(), self._ttl(record, now)
+
+    def finished(self, record: Record, outcome: Outcome) -> tuple[str, str]:
+        """The record as finished (key, value), for the script that collects its results to write with them."""
+        return self.keys.request(record.tenant, record.request_id), replace(record, outcome=outcome).to_json()
 
     def finish(self, record: Record, outcome: Outcome, idem: Idempotency | None, now: float,
                results_written_at: float | None = None) -> None:
