@@ -106,13 +106,14 @@ def test_cut_active_batcher_host_the_standby_takes_over(h: Hosts) -> None:
 
 # -- an API host ------------------------------------------------------------------------------------------------
 def _cut_callers_sound(report: LoadReport, timeout_ms: int) -> None:
-    """Callers of a cut API host: no wrong output; every HTTP answer a 200 or a 503 unavailable (its process
-    could not reach Redis while cut off: the documented answer), in time; no answer at all (a timeout or a
-    connection error) is expected of calls the cable cut."""
+    """Callers of a cut API host: no wrong output; every HTTP answer a 200, a 503 unavailable (its process
+    could not reach Redis while cut off) or a 429 overloaded (its calls still stuck on Redis when the cable came
+    back hold their turns at admission, so the next ones could not get theirs in time: retry, on another host),
+    in time; no answer at all (a timeout or a connection error) is expected of calls the cable cut."""
     assert report.wrong_output == 0, report.summary()
     assert report.sent == sum(report.statuses.values()), report.summary()
-    assert set(report.statuses) <= {0, 200, 503}, report.summary()
-    assert set(report.error_types) <= {"unavailable"}, report.summary()
+    assert set(report.statuses) <= {0, 200, 429, 503}, report.summary()
+    assert set(report.error_types) <= {"unavailable", "overloaded"}, report.summary()
     assert report.non_json == 0, report.summary()
     late = [o for o in report.outcomes if o.status and o.latency_ms > timeout_ms + LATE_SLACK_S * 1000]
     assert not late, f"{len(late)} answered after deadline + 1 s\n{report.summary()}"
