@@ -343,3 +343,42 @@ def test_db_upgrade_creates_the_batch_tables(database_url: str) -> None:
     assert not tables & set(inspect(make_engine(database_url)).get_table_names())
     admin("db", "upgrade")
     assert tables <= set(inspect(make_engine(database_url)).get_table_names())
+
+
+@pytest.mark.fault
+def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path: Path) -> None:
+    """Redis (a private one, no persistence) SIGKILLed and started again mid-job: every record, claim and result it
+    held is gone. The job completes with every line's own output; a line already finished in the database before
+    the restart is not sent again (lines that were in flight may be: their first run's answer was lost)."""
+    from tests.services import PrivateRedis
+
+    private = PrivateRedis().start()
+    s = Stack(tmp_path, redis_url=private.url, auth="keys", auth_cache_s=0.5, heartbeat_interval_s=0.25,
+              files_dir=tmp_path / "files", jobs_poll_s=0.2, jobs_lease_s=2, jobs_line_timeout_ms=30_000,
+              offline_max_wait_ms=100)
+    try:
+        s.start_worker(1, model="slow", sim_batch_ms=500)
+        s.start_batcher()
+        s.start_web(workers=1)
+        s.start_jobs()
+        s.wait_ready(workers=1)
+        bob = client(s, "bob")
+        batch = submit(bob, infer_lines([f"restart {i}" for i in range(300)], model="slow"))
+        wait_for(lambda: bob.batches.retrieve(batch.id).request_counts.completed >= 100, 60, "a third done")
+        done_before = set(ledger_runs(s, batch.id))  # lines whose run the ledger has (finished or running)
+        private.kill()
+        private.start()
+        done = finished(bob, batch.id, timeout_s=120)
+        assert done.status == "completed" and done.request_counts.completed == 300, done.request_counts
+        outputs = read(bob, done.output_file_id)
+        assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(300))
+        assert all(x["response"]["body"]["output"] == expected(f"restart {x['custom_id'].split('-')[1]}")
+                   for x in outputs)
+        wait_for(lambda: len(ledger_runs(s, batch.id)) == 300, 30, "every line in the ledger")
+        runs = ledger_runs(s, batch.id)
+        twice = {k for k, n in runs.items() if n > 1}
+        print(f"\nRedis restart mid-job: {len(done_before)} lines in the ledger at the kill, {len(twice)} ran twice")
+        assert not twice & done_before, f"lines already run before the restart ran again: {sorted(twice & done_before)}"
+    finally:
+        s.close()
+        private.stop()
