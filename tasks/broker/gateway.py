@@ -455,7 +455,8 @@ class Gateway:
         call, that call is followed instead (:meth:`_follow`). Any refusal before the request is published
         releases the key."""
         while True:
-            self._still_full(call)
+            if idempotency is None:  # a retry may be answered from its first call: it needs no room
+                self._still_full(call)
             with self._turn() as turn:
                 prepared = self._prepare(call, shape)
                 claim = None
