@@ -200,7 +200,7 @@ DOCS: dict[str, str] = {
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
     "door_max_delay_ms": "An inference request whose API process got to it this long after accepting its connection (the process is CPU-bound: a burst) is refused at once with 429 overloaded, so the work already admitted is still answered in time.",
-    "admit_concurrency": "Calls one API process takes through admission and publishing at once (the Redis and RabbitMQ round trips); the rest wait their turn in arrival order, and one still waiting LLMB_DOOR_MAX_DELAY_MS after its arrival gets 429 overloaded, with a Retry-After from the rate calls are passing (0: no limit).",
+    "admit_concurrency": "Calls one API process takes through admission at once (its Redis round trips and the publish; a call gives its turn up before waiting for RabbitMQ's confirm); the rest wait their turn in arrival order for at most LLMB_DOOR_MAX_DELAY_MS, and the door refuses at once, before the body is read, a call that could not get its turn in time (429 overloaded, Retry-After the expected wait at the measured drain rate). 0: no limit.",
     "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",
     "max_timeout_ms": "Largest timeout_ms a caller may ask for.",
