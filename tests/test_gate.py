@@ -10,6 +10,11 @@ from tasks.errors import Overloaded
 from webapp.door import Door
 
 
+def wait(gate: Gate, n: int, since: float) -> None:
+    """As if ``n`` calls had started waiting for their turn at ``since`` (what their passages record)."""
+    gate._since.update((object(), since) for _ in range(n))
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -26,7 +31,7 @@ def test_the_drain_rate_is_measured_and_gives_the_expected_wait_and_retry_after(
         with gate.passage():
             clock.now += 0.02
     assert gate.drain_rate() == pytest.approx(100)
-    gate.waiting = 300  # (what the waiting calls' counter would read)
+    wait(gate, 300, since=clock.now)
     assert gate.expected_wait_s() == pytest.approx(3.0)
     assert gate.retry_after_s() == math.ceil(gate.expected_wait_s())  # the queue at its drain rate, not a constant
 
@@ -47,12 +52,14 @@ def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_
     gate = Gate(slots=4, max_wait_s=1.0, clock=clock)
     door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, clock=clock, gate=gate)
     door.enter(clock.now)
-    gate.waiting, gate.hold_s = 130, 0.04  # 4 slots of 40 ms: 100 calls a second, 1.3 s of queue (it has 1 s)
+    gate.hold_s = 0.04  # 4 slots of 40 ms: 100 calls a second
+    wait(gate, 130, since=clock.now)  # 1.3 s of queue (it has 1 s)
     with pytest.raises(Overloaded) as refused:
         door.enter(clock.now)
     assert refused.value.retry_after_s == 2 and "would take 1300 ms" in refused.value.message
     assert door.held == 1  # a refusal holds nothing
-    gate.waiting = 50  # 0.5 s of queue: let in, unless it has already waited 0.6 s to get to the door
+    gate._since.clear()
+    wait(gate, 50, since=clock.now)  # 0.5 s of queue: let in, unless it has already waited 0.6 s to get to the door
     door.enter(clock.now)
     with pytest.raises(Overloaded):
         door.enter(clock.now - 0.6)

@@ -36,7 +36,6 @@ class Gate:
         self.slots = slots
         self.max_wait_s = max_wait_s
         self.clock = clock
-        self.waiting = 0
         self._free = threading.Semaphore(slots)
         self._lock = threading.Lock()
         self.hold_s = 0.0  # mean time a call holds its slot (exponentially weighted)
@@ -49,13 +48,11 @@ class Gate:
         would not get their turn in time; the calls it let in wait their turn here.)"""
         started, ticket = self.clock(), object()
         with self._lock:
-            self.waiting += 1
             self._since[ticket] = started
         try:
             got = self._free.acquire(timeout=self.max_wait_s)
         finally:
             with self._lock:
-                self.waiting -= 1
                 del self._since[ticket]
         if not got:
             waited = self.clock() - started
@@ -74,6 +71,11 @@ class Gate:
         with self._lock:
             self.hold_s = held if self.hold_s == 0 else self.hold_s + HOLD_WEIGHT * (held - self.hold_s)
 
+    @property
+    def waiting(self) -> int:
+        """Calls waiting for their turn now."""
+        return len(self._since)
+
     def drain_rate(self) -> float:
         """Calls per second the slots pass while they are all busy: slots over the mean time in one."""
         return self.slots / self.hold_s if self.hold_s > 0 else math.inf
@@ -83,7 +85,7 @@ class Gate:
         time the oldest of them has waited so far, whichever is longer (the mean lags behind a sudden slow-down;
         the oldest call's wait does not)."""
         with self._lock:
-            waiting = self.waiting
+            waiting = len(self._since)
             oldest = next(iter(self._since.values()), None)
         if not waiting:
             return 0.0

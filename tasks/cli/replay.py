@@ -22,7 +22,7 @@ from tasks.errors import BatchingError
 from tasks.policy.tenancy import TenantPolicy
 from tasks.schema import Priority
 from tasks.store.models import BatchRecord, BatchRequest, RequestRecord
-from tasks.store.tenants import KeyStore
+from tasks.store.tenants import KeyStore, TenantDirectory
 
 
 def replay_call(record: RequestRecord, policy: TenantPolicy, timeout_ms: int) -> Call:
@@ -39,17 +39,11 @@ class _Sender:
 
     def __init__(self, admin: Admin, timeout_ms: int) -> None:
         self.gateway = admin.gateway()
-        self.store = KeyStore.from_settings(admin.settings)
+        self.tenants = TenantDirectory(KeyStore.from_settings(admin.settings), ttl_s=admin.settings.auth_cache_s)
         self.timeout_ms = timeout_ms
-        self._policies: dict[str, TenantPolicy] = {}
-
-    def policy(self, tenant: str) -> TenantPolicy:
-        if tenant not in self._policies:
-            self._policies[tenant] = self.store.policy(tenant)
-        return self._policies[tenant]
 
     def calls(self, records: list[RequestRecord]) -> list[Call]:
-        return [replay_call(r, self.policy(r.tenant), self.timeout_ms) for r in records]
+        return [replay_call(r, self.tenants.policy(r.tenant), self.timeout_ms) for r in records]
 
     def __call__(self, call: Call) -> tuple[str, Any]:
         return _submit(self.gateway, call)
