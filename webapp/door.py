@@ -34,12 +34,6 @@ if TYPE_CHECKING:
     from _typeshed.wsgi import WSGIApplication as WSGIApp
 
 
-# The door lets a call in while its expected wait for a turn at admission is under this share of the time it has
-# left of LLMB_DOOR_MAX_DELAY_MS: the estimate is a mean, and a call that waits out the rest at the gate is refused
-# there, late, rather than at the door, at once.
-TURN_SHARE = 0.5
-
-
 def process_share(settings: Settings) -> int:
     """Requests one API process may hold: its even share of both admission caps (gunicorn_conf adds a margin)."""
     return math.ceil((settings.admission_cap + settings.offline_admission_cap) / max(1, settings.web_workers))
@@ -82,7 +76,7 @@ class Door:
         delay = 0.0 if arrived_at is None else self.clock() - arrived_at
         wait = self.gate.expected_wait_s() if self.gate is not None else 0.0
         late = delay > self.max_delay_s
-        behind = late or wait > TURN_SHARE * (self.max_delay_s - delay)  # it could not get its turn in time
+        behind = late or wait > self.max_delay_s - delay  # it could not get its turn in time
         if behind and not caller and identify is not None:
             caller = identify()
         self.callers.arrived(caller)
