@@ -69,6 +69,8 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
             record["status"] = resp.status
             if resp.status == 200:
                 record["batch"] = json.loads(data)["batch"]["size"]
+            else:  # which refusal: the error's type
+                record["error"] = json.loads(data).get("error", {}).get("type") if data.startswith(b"{") else None
         except OSError as exc:  # socket.timeout is an OSError: the client's own deadline passed
             record["status"] = "client_timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
         record["ms"] = round((time.monotonic() - started) * 1000, 2)

@@ -49,7 +49,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.cancellations import Cancellations
     from gpu_worker.drain import empty_queue, hear_sigterm_once
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
-    from gpu_worker.runner import BatchRunner, WorkerState
+    from gpu_worker.runner import HOST_THREADS, BatchRunner, WorkerState
     from gpu_worker.supervisor import CANNOT_START
     from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.broker.queues import recovery_queue
@@ -119,13 +119,14 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     register_run_batch(app, runner.run)
 
-    # One pool thread: one batch at a time, while the event loop stays free to ack at once and to take
-    # the next batch as soon as it is due. (The solo pool runs the batch inside the loop; kombu then leaves
-    # the ack queued until its next poll times out, measured here as 2 s idle gaps between batches.) The
-    # thread pool is Celery's, except that a warm shutdown lets prefetched batches be handed back.
+    # Pool threads: one per device slot, and HOST_THREADS more, so that a batch's results are written while the
+    # next one runs (the runner holds the device only for the claim and the run). The event loop stays free to
+    # ack at once and to take the next batch as soon as it is due. (The solo pool runs the batch inside the loop;
+    # kombu then leaves the ack queued until its next poll times out, measured here as 2 s idle gaps between
+    # batches.) The thread pool is Celery's, except that a warm shutdown lets prefetched batches be handed back.
     try:
         app.conf.worker_pool = "gpu_worker.drain:DrainingThreadPool"
-        app.worker_main(["worker", f"--concurrency={model_backend.slots}", f"--queues={queue}",
+        app.worker_main(["worker", f"--concurrency={model_backend.slots + HOST_THREADS}", f"--queues={queue}",
                          f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
                          f"--prefetch-multiplier={settings.max_outstanding_batches}",
                          "--without-gossip", "--without-mingle", "--task-events"])

@@ -91,6 +91,28 @@ class WorkerState:
             return max(0.0, self.batch_ms_estimate - (now - self.batch_started_at) * 1000)
 
 
+HOST_THREADS = 1  # batch threads beyond the device's slots: they write results while the device runs the next batch
+
+
+class _Held:
+    """A slot of the device, taken when made; released at the first :meth:`release` (or the end of a ``with``)."""
+
+    def __init__(self, slots: threading.Semaphore) -> None:
+        slots.acquire()
+        self._slots: threading.Semaphore | None = slots
+
+    def release(self) -> None:
+        slots, self._slots = self._slots, None
+        if slots is not None:
+            slots.release()
+
+    def __enter__(self) -> _Held:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
 class BatchRunner:
     """Runs batch tasks. ``run_id`` (``<worker id>/<token>``) names this process in batch claims.
 
@@ -117,6 +139,9 @@ class BatchRunner:
         self.record = record
         self.observe = observe  # adds a batch to the metrics, inside the results pipeline
         self.cancelled = cancelled  # item ids whose callers went away
+        # The device's slots. The worker runs a thread more than that (:data:`HOST_THREADS`): while a batch runs,
+        # the last one's results are written and its task acknowledged, so the device does not wait for that.
+        self.device = threading.Semaphore(backend.slots)
 
     def drain(self) -> None:
         """A graceful stop began: batches not started from now on are handed back, unstarted, to the batchers."""
@@ -140,6 +165,15 @@ class BatchRunner:
             self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms, tokens))
 
     def _run(self, batch: Batch) -> dict[str, Any]:
+        # The device is taken before the claim: a batch claimed here is one running (if this process dies, whoever
+        # takes the batch back blames it), never one waiting for the device.
+        device = _Held(self.device)
+        try:
+            return self._claimed(batch, device)
+        finally:
+            device.release()
+
+    def _claimed(self, batch: Batch, device: _Held) -> dict[str, Any]:
         summary: dict[str, Any] = {"batch_id": batch.id, "size": len(batch.items)}
         if self.draining.is_set():
             log.info("batch %s: stopping; handing it back unstarted", batch.id, extra={"batch_id": batch.id})
@@ -160,11 +194,11 @@ class BatchRunner:
             return {**summary, "given_back": "died"}
         self._running.add(batch.id)
         try:
-            return self._execute(batch, summary)
+            return self._execute(batch, summary, device)
         finally:
             self._running.discard(batch.id)
 
-    def _execute(self, batch: Batch, summary: dict[str, Any]) -> dict[str, Any]:
+    def _execute(self, batch: Batch, summary: dict[str, Any], device: _Held) -> dict[str, Any]:
         # Items whose caller will be gone before this batch can finish are not worth running.
         horizon = self.state.clock() + self.state.batch_ms_estimate / 1000
         live = tuple(i for i in batch.items if i.deadline > horizon)
@@ -184,20 +218,24 @@ class BatchRunner:
             self._until_settled(batch, lambda: self.writer.mark_done(self.claims.key(batch.id)))
             return summary
 
-        started_at = self.state.clock()
-        t0 = time.monotonic()
-        self.state.started(started_at)
-        self.announce(BatchEvent(self.worker_id, batch.id, "started"))
-        try:
+        failure: Exception | None = None
+        with device:  # given up once the batch has run: writing its results overlaps the next batch's run
+            started_at = self.state.clock()
+            t0 = time.monotonic()
+            self.state.started(started_at)
+            self.announce(BatchEvent(self.worker_id, batch.id, "started"))
             early: set[int] = set()  # positions answered as they finished, before the batch did
-            hooks = self._hooks(live, batch.id, started_at, t0, early)
-            outputs = self.backend.run([i.input for i in live], [i.params for i in live], hooks)
-            if len(outputs) != len(live):
-                raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(live)} inputs")
-        except Exception as exc:  # the model is a black box: any failure sends the batch back for isolation
+            try:
+                hooks = self._hooks(live, batch.id, started_at, t0, early)
+                outputs = self.backend.run([i.input for i in live], [i.params for i in live], hooks)
+                if len(outputs) != len(live):
+                    raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(live)} inputs")
+            except Exception as exc:  # the model is a black box: any failure sends the batch back for isolation
+                failure = exc
             run_ms = (time.monotonic() - t0) * 1000
-            self.state.finished(None)
-            error = f"the model raised {type(exc).__name__}: {exc}"
+            self.state.finished(None if failure else run_ms)
+        if failure is not None:
+            error = f"the model raised {type(failure).__name__}: {failure}"
             log.warning("batch %s (size %d) failed: %s; handing it back to be split", batch.id, len(live), error,
                         extra={"batch_id": batch.id})
             ran = batch.with_items(live)
@@ -206,8 +244,6 @@ class BatchRunner:
                                      round(run_ms, 3)))
             return {**summary, "given_back": "raised", "run_ms": None}
 
-        run_ms = (time.monotonic() - t0) * 1000
-        self.state.finished(run_ms)
         common: dict[str, Any] = dict(batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
                                       started_at=started_at, run_ms=round(run_ms, 3))
         results = [ItemResult(error=o.type, message=o.message, **common) if isinstance(o, ItemError)

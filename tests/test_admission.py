@@ -10,7 +10,7 @@ import redis
 
 from tasks.policy.capacity import deadline_cap, recommended_workers, retry_after_s
 from tasks.schema import WorkerInfo
-from tasks.state.admission import Admission, Ticket, Verdict
+from tasks.state.admission import Admission, AdmitCall, CollectCall, Ticket, Verdict
 from tests.stack import REDIS_URL, wait_for
 
 
@@ -27,8 +27,8 @@ def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> Non
 
     assert deadline_cap([], 5.0, 10_000) == 10_000  # nothing measured yet: the configured cap
     assert deadline_cap([w(0.0)], 5.0, 10_000) == 10_000
-    assert deadline_cap([w(250.0)], 5.0, 10_000) == 1800  # 400 items/s for 5 s less two batches
-    assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000) == 600  # (400 + 200)/s for 2 s less two slow batches
+    assert deadline_cap([w(250.0)], 5.0, 10_000) == 1350  # 400 items/s for 3/4 of 5 s less two batches
+    assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000) == 450  # (400 + 200)/s for 3/4 of 2 s less two slow batches
     assert deadline_cap([w(250.0)], 0.1, 10_000) == 100  # never below one full batch per worker
     assert deadline_cap([w(250.0)], 300.0, 10_000) == 10_000  # never above the configured cap
 
@@ -250,3 +250,37 @@ def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_pa
     assert reaper.reap() >= 1
     assert adm.tokens_held("lm") == 0 and not client.hlen(f"{prefix}:inflight:m:lm:kv")
     assert second  # (its tokens went with the reaped lease)
+
+
+def test_one_round_admits_several_calls_in_order_each_with_its_own_verdict(ns: tuple[redis.Redis, str]) -> None:
+    """The door's round (one script call for the calls an API process has ready): a call admitted counts against
+    the caps of the calls after it, a quarantined input refuses its own call only, and every call's record is
+    written only if it was admitted."""
+    client, prefix = ns
+    adm = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="api", lease_s=5)
+    client.sadd(f"{prefix}:quarantine", "bad")
+
+    def call(tenant: str, n: int, hashes: list[str] | None = None) -> AdmitCall:
+        return AdmitCall(tuple(uuid.uuid4().hex for _ in range(n)), tuple(hashes or ["h"] * n), Ticket(tenant, "sim"),
+                         time.time(), 30, model_cap=10, tenant_cap=100,
+                         record=(f"{prefix}:rec:{tenant}:{n}", f"record of {tenant}", 60))
+
+    calls = [call("a", 6), call("b", 1, ["bad"]), call("c", 5), call("d", 4)]
+    decisions = adm.try_admit_many(calls, valid_until=redis_now(client) + 2.5)
+    assert [d.verdict for d in decisions] == [Verdict.OK, Verdict.QUARANTINED, Verdict.FULL, Verdict.OK]
+    assert decisions[1].bad_hash == "bad" and decisions[2].ahead == 6  # c saw a's 6 items ahead of it
+    assert adm.in_flight(time.time()) == 10
+    assert [client.get(c.record[0]) for c in calls if c.record] == [b"record of a", None, None, b"record of d"]
+
+    # the results of two calls read (and released) in one round trip: one finished, one with a result to come
+    keys = {i: f"{prefix}:result:{i}" for c in calls for i in c.item_ids}
+    a, d = calls[0], calls[3]
+    for i in a.item_ids + d.item_ids[:2]:
+        client.set(keys[i], '{"output": "x"}', ex=60)
+    reads = adm.collect_many([
+        CollectCall(a.ticket, a.item_ids, tuple(keys[i] for i in a.item_ids), (f"{prefix}:rec:a:6", "a finished")),
+        CollectCall(d.ticket, d.item_ids, tuple(keys[i] for i in d.item_ids), (f"{prefix}:rec:d:4", "d finished")),
+    ])
+    assert [(len([v for v in values if v]), done) for values, done in reads] == [(6, True), (2, False)]
+    assert client.get(f"{prefix}:rec:a:6") == b"a finished" and client.get(f"{prefix}:rec:d:4") == b"record of d"
+    assert adm.in_flight(time.time()) == 2  # d's two items without a result

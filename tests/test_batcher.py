@@ -92,6 +92,22 @@ def test_a_multi_item_message_is_acked_when_its_last_item_is_dispatched() -> Non
     assert len(h.sent) == 2 and h.acked == ["big"]
 
 
+def test_a_message_of_several_calls_is_acked_once_every_item_of_every_call_is_dispatched() -> None:
+    """A message carries the calls of one round at the door: one ack, after the last of their items is handed on
+    (a batcher killed before that leaves the whole message to be redelivered)."""
+    h = Harness(size=3)
+    now = h.clock.t
+    calls = [InferenceRequest(id=rid, tenant="default", model="sim",
+                              items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n)),
+                              accepted_at=now, deadline=now + 30, reply_to="r") for rid, n in (("x", 2), ("y", 2))]
+    assert h.batcher.add_message(calls, lambda: h.acked.append("message")) is not None  # one item left waiting
+    assert len(h.sent) == 1 and h.acked == []
+    h.clock.t += 0.020
+    h.batcher.poll()
+    assert [[i.request_id for i in b.items] for b, _ in h.sent] == [["x", "x", "y"], ["y"]]
+    assert h.acked == ["message"]
+
+
 def test_failed_dispatch_keeps_items_unacked_and_retries() -> None:
     h = Harness(size=2)
     h.fail_dispatch = True

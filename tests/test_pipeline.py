@@ -208,7 +208,8 @@ def test_killing_the_batcher_with_requests_buffered_loses_none(stack: Stack) -> 
         assert stack.items_done() == done_before, "the slow batcher must not have sent any of them to a worker"
         assert not any(f.done() for f in survivors), "the slow batcher must still be holding them"
         stack.kill("slow-batcher", sig=9)
-        assert stack.request_queue_depth() >= 10  # unacknowledged messages went back to the queue
+        # unacknowledged messages went back to the queue (a message carries the calls of one round at the door)
+        assert stack.request_queue_depth() >= 1
         for future in doomed:  # no batcher now: these callers' deadlines pass while it is down
             future.result()
         stack.start_batcher()

@@ -22,14 +22,14 @@ from celery import Celery, bootsteps
 from kombu import Consumer, Message, Queue
 
 from tasks.broker.celery_app import RUN_BATCH, make_celery, settings_of
-from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue, request_queue
+from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue, request_queue, requests_of
 from tasks.broker.recovery import Recovery
 from tasks.config import Settings
 from tasks.logs import setup_logging
 from tasks.policy.batcher import Batcher
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.wait import WaitPolicy
-from tasks.schema import Batch, BatchEvent, BatchItem, InferenceRequest, WorkerInfo
+from tasks.schema import Batch, BatchEvent, BatchItem, WorkerInfo
 from tasks.state.admission import Admission
 from tasks.state.claims import Claims
 from tasks.state.clock import SharedClock
@@ -117,12 +117,12 @@ class BatchingStep(bootsteps.ConsumerStep):
     # -- kombu callbacks -----------------------------------------------------------------------------
     def _on_message(self, message: Message) -> None:
         try:
-            request = InferenceRequest.from_dict(json.loads(message.body))
+            requests = requests_of(message.body)
         except ValueError as exc:  # json.JSONDecodeError is a ValueError
             log.error("dropping malformed request message: %s", exc)
             message.ack()
             return
-        self._arm(self.batcher.add(request, message.ack))
+        self._arm(self.batcher.add_message(requests, message.ack))
 
     def _on_batch_event(self, message: Message) -> None:
         try:

@@ -21,6 +21,7 @@ from kombu.exceptions import KombuError
 
 from tasks.broker.gate import NO_GATE, Gate, Turn
 from tasks.broker.queues import PublisherBusy, PublishTimeout, RequestPublisher
+from tasks.broker.rounds import Rounds
 from tasks.config import Settings
 from tasks.errors import (
     BatchingError,
@@ -40,11 +41,12 @@ from tasks.policy import tokens
 from tasks.policy.capacity import deadline_cap, largest_fit, retry_after_s, token_budget
 from tasks.schema import InferenceRequest, Item, ItemResult, Priority, WorkerInfo, input_hash
 from tasks.state import connect
-from tasks.state.admission import Admission, Ticket, Verdict
+from tasks.state.admission import Admission, AdmitCall, CollectCall, Decision, Ticket, Verdict
 from tasks.state.clock import SharedClock
 from tasks.state.connect import PoolExhausted
 from tasks.state.fleet import Fleet, FleetCache
 from tasks.state.keys import Keys
+from tasks.state.metrics import door_round_calls
 from tasks.state.requests import Claim, Idempotency, Outcome, Record, Requests, Shape, State, View
 from tasks.state.results import ResultListener
 
@@ -67,6 +69,8 @@ def redis_client(settings: Settings) -> redis.Redis:
     return connect.redis_client(settings, max_connections=settings.redis_pool_size, pool_timeout_s=5,
                                 socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=2)
 
+
+ROUND_MAX_CALLS = 64  # calls admitted in one script call and published in one message, at most
 
 # After a FULL verdict for a model, this process refuses that model's calls of the same class for this long without
 # asking Redis again: at 400 items/s a few items' worth of room, against a queue a few seconds deep.
@@ -170,6 +174,16 @@ class _Prepared:
 
 
 @dataclass(frozen=True)
+class _Joining:
+    """A prepared call in a round at the door: what its admission needs, and its turn at the gate."""
+
+    call: Call
+    prepared: _Prepared
+    admit: AdmitCall
+    turn: Turn
+
+
+@dataclass(frozen=True)
 class _Entered:
     """A call admitted and published by this process."""
 
@@ -203,6 +217,12 @@ class Gateway:
         self.workers = FleetCache(self.fleet, settings.heartbeat_interval_s / 2, draining=True, wallclock=self.clock)
         self.result_key = self.keys.result
         self.listener = ResultListener(client, self.reply_to, self.result_key, settings.result_recheck_ms / 1000)
+        # The calls (and the result reads) this process has ready at once go to Redis and RabbitMQ together.
+        self.rounds: Rounds[_Joining, Any] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
+            "the call's admission round was interrupted; retry"))
+        self.reads: Rounds[CollectCall, tuple[list[bytes | None], bool]] = Rounds(
+            self.admission.collect_many, ROUND_MAX_CALLS,
+            lambda: redis.ConnectionError("the round reading the results was interrupted"))
 
     def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
         """The live fleet; cached for half a heartbeat interval (``fresh``: read it now)."""
@@ -227,8 +247,9 @@ class Gateway:
         return retry_after_s(ahead, workers, floor_s=self.settings.retry_after_s)
 
     def _reader(self, ticket: Ticket) -> Callable[[Sequence[str]], list[bytes | None]]:
-        """Reads a call's results and releases the admission of those that have one, in one round trip."""
-        return lambda ids: self.admission.collect(ticket, ids, [self.result_key(i) for i in ids])
+        """Reads a call's results and releases the admission of those that have one, in one round trip (shared
+        with the other callers reading at the same moment: :attr:`reads`)."""
+        return lambda ids: self.reads.join(CollectCall(ticket, tuple(ids), tuple(self.result_key(i) for i in ids)))[0]
 
     def _finishing_reader(self, ticket: Ticket, entered: _Entered, started: float,
                           finished: list[float]) -> Callable[[Sequence[str]], list[bytes | None]]:
@@ -238,12 +259,12 @@ class Gateway:
         every = len(entered.ids)
 
         def read(ids: Sequence[str]) -> list[bytes | None]:
-            keys = [self.result_key(i) for i in ids]
+            keys = tuple(self.result_key(i) for i in ids)
             if len(ids) < every:
-                return self.admission.collect(ticket, ids, keys)
+                return self.reads.join(CollectCall(ticket, tuple(ids), keys))[0]
             total_ms = round((time.monotonic() - started) * 1000, 1)
-            values, done = self.admission.collect_finishing(
-                ticket, ids, keys, self.requests.finished(entered.record, Outcome(200, total_ms=total_ms)))
+            record = self.requests.finished(entered.record, Outcome(200, total_ms=total_ms))
+            values, done = self.reads.join(CollectCall(ticket, tuple(ids), keys, record))
             if done:
                 finished.append(total_ms)
             return values
@@ -520,73 +541,119 @@ class Gateway:
         return _Prepared(request, record, remaining_s, deadline, item_tokens, token_cap)
 
     def _admit(self, call: Call, prepared: _Prepared, turn: Turn, *, recorded: bool) -> Any:
-        """Admit a prepared call, record it (unless its idempotency claim did) and publish it (its ``turn`` at the
-        gate given up once only the broker's confirm is left to wait for)."""
-        request, remaining_s, deadline = prepared.request, prepared.remaining_s, prepared.deadline
-        accepted_at = request.accepted_at
-        ids = [i.id for i in request.items]
-        hashes = [input_hash(call.model, text) for text in call.inputs]
-        ticket = Ticket(call.tenant, call.model, call.priority)
-        waiter = None  # the result listener's, once registered
+        """Admit a prepared call, record it (unless its idempotency claim did) and publish it, in a round with the
+        other calls this process has ready (:mod:`tasks.broker.rounds`); its ``turn`` at the gate is given up
+        once only the broker's confirm is left to wait for. Returns the result listener's waiter."""
         # the record must exist before any result does: written with the admission (unless its claim wrote it)
         record = None if recorded else self.requests.admitted(prepared.record, self.clock())
+        request = prepared.request
+        admit = AdmitCall(tuple(i.id for i in request.items), tuple(input_hash(call.model, t) for t in call.inputs),
+                          Ticket(call.tenant, call.model, call.priority), request.accepted_at, prepared.remaining_s,
+                          self.cap_for(call.model, prepared.remaining_s), call.tenant_cap,
+                          tuple(prepared.item_tokens), prepared.token_cap, record)
+        return self.rounds.join(_Joining(call, prepared, admit, turn))
+
+    def _admit_round(self, calls: Sequence[_Joining]) -> list[Any]:
+        """One round: admit the calls in one script call, publish those admitted in one message. A listener's
+        waiter per call admitted and published, the error it is refused with for the others."""
+        door_round_calls().observe(len(calls))
         try:
             self._keep_lease()
-            verdict, bad_hash, ahead = self.admission.try_admit(
-                ids, hashes, ticket=ticket, now=accepted_at, timeout_s=remaining_s,
-                model_cap=self.cap_for(call.model, remaining_s), tenant_cap=call.tenant_cap,
-                valid_until=self.clock() + ADMIT_VALID_S, tokens=prepared.item_tokens, token_cap=prepared.token_cap,
-                record=record)
+            decisions = self.admission.try_admit_many([c.admit for c in calls], self.clock() + ADMIT_VALID_S)
         except PoolExhausted as exc:
-            raise _overloaded(exc) from None
+            return [_overloaded(exc) for _ in calls]
         except redis.RedisError as exc:
-            raise Unavailable(f"Redis is unreachable: {exc}") from None
+            return [Unavailable(f"Redis is unreachable: {exc}") for _ in calls]
+        outcomes: list[Any] = [self._refusal(c, d) for c, d in zip(calls, decisions)]
+        admitted = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        waiters: dict[int, Any] = {}  # the result listener's, once registered
+        try:  # after admission, so that a quarantined input is refused as such even while no worker is up
+            for i in admitted:
+                error = self._unserved(calls[i].call.model)
+                if error is not None:
+                    outcomes[i] = error
+                    self._unadmit(calls[i])
+            published = [i for i in admitted if outcomes[i] is None]
+            if not published:
+                return outcomes
+            # listening before publishing: a result or streamed text can come back before publish() returns
+            for i in published:
+                waiters[i] = self.listener.expect(list(calls[i].admit.item_ids))
+                calls[i].turn.leave()
+            error = self._publish([calls[i].prepared for i in published])
+            for i in published:
+                if error is None:
+                    outcomes[i] = waiters.pop(i)
+                else:
+                    outcomes[i] = error
+                    self._unadmit(calls[i], waiters.pop(i))
+            return outcomes
+        except BaseException:
+            for i in admitted:
+                if outcomes[i] is None:
+                    self._unadmit(calls[i], waiters.get(i))
+            raise
+
+    def _refusal(self, joining: _Joining, decision: Decision) -> BatchingError | None:
+        """The error a call is refused with for this admission verdict (None: admitted)."""
+        call, (verdict, bad_hash, ahead) = joining.call, decision
+        if verdict is Verdict.OK:
+            return None
         if verdict is Verdict.LATE:
-            raise Unavailable("Redis answered too late to admit the call (a slow or interrupted link); retry")
+            return Unavailable("Redis answered too late to admit the call (a slow or interrupted link); retry")
         if verdict is Verdict.QUARANTINED:
-            raise PoisonInput(f"input {hashes.index(bad_hash or '')} is quarantined (hash {bad_hash}): it failed "
-                              "alone before; an operator can release it with "
-                              f"`llmb-admin quarantine release {bad_hash}`")
+            index = joining.admit.hashes.index(bad_hash or "")
+            return PoisonInput(f"input {index} is quarantined (hash {bad_hash}): it failed alone before; an operator "
+                               f"can release it with `llmb-admin quarantine release {bad_hash}`")
         if verdict is Verdict.TENANT_FULL:
             cap = call.tenant_cap or self.settings.admission_cap
-            raise TenantOverLimit(
+            return TenantOverLimit(
                 f"tenant {call.tenant!r} is at its cap of {cap} items in flight; retry when some are answered "
                 "(other tenants are not affected)", retry_after_s=self._retry_after(call.model, ahead))
         if verdict is Verdict.TOKENS_FULL:
-            raise QueueFull(f"the KV memory of every worker serving {call.model!r} is spoken for ({ahead} tokens "
-                            "admitted and unanswered); retry later", retry_after_s=self.settings.retry_after_s)
-        if verdict is Verdict.FULL:
-            error = QueueFull("the service is full: no room to answer this request within its deadline; retry later",
-                              retry_after_s=self._retry_after(call.model, ahead))
-            self._full[ticket.model, ticket.priority] = (time.monotonic() + FULL_HOLD_S, error)
-            raise error
-        try:  # after admission, so that a quarantined input is refused as such even while no worker is up
+            return QueueFull(f"the KV memory of every worker serving {call.model!r} is spoken for ({ahead} tokens "
+                             "admitted and unanswered); retry later", retry_after_s=self.settings.retry_after_s)
+        error = QueueFull("the service is full: no room to answer this request within its deadline; retry later",
+                          retry_after_s=self._retry_after(call.model, ahead))
+        self._full[call.model, call.priority] = (time.monotonic() + FULL_HOLD_S, error)
+        return error
+
+    def _unserved(self, model: str) -> BatchingError | None:
+        """Unavailable when no live worker serves ``model`` (the cached view is checked again fresh first: it
+        may predate a worker)."""
+        try:
             models = self.live_models()
-            if call.model not in models:  # before refusing, make sure: the cached view may predate a worker
+            if model not in models:
                 models = self.live_models(fresh=True)
-            if call.model not in models:
-                served = ", ".join(sorted(models)) or "none"
-                raise Unavailable(f"no live GPU worker serves model {call.model!r} (models served now: {served})")
-            # listening before publishing: a result or streamed text can come back before publish() returns
-            waiter = self.listener.expect(ids)
-            turn.leave()
-            try:
-                budget = min(self.settings.publish_timeout_s, max(0.0, deadline - time.monotonic()))
-                self.publisher.publish(request, budget)
-            except PublishTimeout as exc:
-                raise Unavailable(f"{exc} (is it blocked by a memory or disk alarm?); retry later") from None
-            except PublisherBusy as exc:
-                raise _overloaded(exc) from None
-            except BROKER_ERRORS as exc:
-                raise Unavailable(f"RabbitMQ is unreachable: {exc}") from None
-        except BaseException:
-            self._release(ticket, ids)
-            if record is not None:  # the record the admission wrote
-                self._forget(prepared.record, None)
-            if waiter is not None:
-                self.listener.forget(ids, waiter)
-            raise
-        return waiter
+        except BatchingError as exc:
+            return exc
+        if model in models:
+            return None
+        served = ", ".join(sorted(models)) or "none"
+        return Unavailable(f"no live GPU worker serves model {model!r} (models served now: {served})")
+
+    def _publish(self, calls: Sequence[_Prepared]) -> BatchingError | None:
+        """Publish the requests of a round as one message; the error its callers get when that fails."""
+        budget = min(self.settings.publish_timeout_s, max(0.0, max(c.deadline for c in calls) - time.monotonic()))
+        try:
+            self.publisher.publish([c.request for c in calls], budget)
+        except PublishTimeout as exc:
+            return Unavailable(f"{exc} (is it blocked by a memory or disk alarm?); retry later")
+        except PublisherBusy as exc:
+            return _overloaded(exc)
+        except BROKER_ERRORS as exc:
+            return Unavailable(f"RabbitMQ is unreachable: {exc}")
+        return None
+
+    def _unadmit(self, joining: _Joining, waiter: Any = None) -> None:
+        """Undo the admission of a call that will not be published: its items, the record the admission wrote,
+        its listener's waiter."""
+        ids = list(joining.admit.item_ids)
+        self._release(joining.admit.ticket, ids)
+        if joining.admit.record is not None:
+            self._forget(joining.prepared.record, None)
+        if waiter is not None:
+            self.listener.forget(ids, waiter)
 
     def _token_demand(self, call: Call) -> tuple[list[int], int]:
         """Each item's estimated tokens (prompt + max_tokens; 0 for a non-generation item) and the model's token

@@ -5,15 +5,18 @@
   previous holder of a batch died running it), from workers to batchers.
 
 
-One message per HTTP call (all of its items), published with publisher confirms so that a 200 from
-:meth:`RequestPublisher.publish` means RabbitMQ has the request. The message also expires in the broker at
-the caller's deadline, so work nobody waits for is dropped even if no batcher is running.
+A request message carries the calls an API process admitted in one round (:mod:`tasks.broker.rounds`): one
+or more, each with all of its items. It is published with publisher confirms, so that a return from
+:meth:`RequestPublisher.publish` means RabbitMQ has every call in it, and expires in the broker at the last of
+their deadlines, so work nobody waits for is dropped even if no batcher is running (a batcher drops each
+expired call of a message it gets).
 """
 from __future__ import annotations
 
 import json
 import socket
 import time
+from collections.abc import Sequence
 
 from kombu import Connection, Exchange, Queue
 from kombu.exceptions import LimitExceeded
@@ -58,6 +61,27 @@ def recovery_queue(name: str, queue_type: str = "classic") -> Queue:
     return Queue(name, durable=True, routing_key=name, queue_arguments={**SINGLE_ACTIVE, **queue_arguments(queue_type)})
 
 
+def request_body(requests: Sequence[InferenceRequest]) -> str:
+    """A request message's body: the calls of one round."""
+    return json.dumps({"requests": [r.to_dict() for r in requests]})
+
+
+def requests_of(body: str | bytes) -> list[InferenceRequest]:
+    """The calls in a request message (also the one-call body that API processes before rounds published, so a
+    rolling upgrade loses nothing). Raises ValueError when it is malformed."""
+    decoded = json.loads(body)
+    try:
+        if isinstance(decoded, dict) and "requests" in decoded:
+            requests = [InferenceRequest.from_dict(r) for r in decoded["requests"]]
+        else:
+            requests = [InferenceRequest.from_dict(decoded)]
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"not a request message: {exc!r}") from None
+    if not requests:
+        raise ValueError("a request message without requests")
+    return requests
+
+
 class RequestPublisher:
     """Publishes from many greenlets or threads: each publish borrows a connection from a bounded pool."""
 
@@ -71,14 +95,14 @@ class RequestPublisher:
         self.pool = self.connection.Pool(limit=pool_size)
         self.producers = ProducerPool(self.pool, limit=pool_size)
 
-    def publish(self, request: InferenceRequest, timeout_s: float) -> None:
-        """Publish and wait for the broker's confirm, for at most ``timeout_s`` in all (waiting for a pooled
-        connection, reconnecting and the confirm included). Raises kombu/amqp/OS errors if it cannot; a
-        :class:`PublishTimeout` when the broker does not confirm in time (a memory or disk alarm blocks
-        publishers without a word)."""
-        ttl_s = max(request.deadline - request.accepted_at, 0.001)
+    def publish(self, requests: Sequence[InferenceRequest], timeout_s: float) -> None:
+        """Publish these calls as one message and wait for the broker's confirm, for at most ``timeout_s`` in all
+        (waiting for a pooled connection, reconnecting and the confirm included). Raises kombu/amqp/OS errors if
+        it cannot; a :class:`PublishTimeout` when the broker does not confirm in time (a memory or disk alarm
+        blocks publishers without a word)."""
+        ttl_s = max(max(r.deadline - r.accepted_at for r in requests), 0.001)
         give_up = time.monotonic() + timeout_s
-        body = json.dumps(request.to_dict())
+        body = request_body(requests)
         for attempt in range(PUBLISH_ATTEMPTS):
             remaining = give_up - time.monotonic()
             if remaining <= 0:
@@ -96,8 +120,8 @@ class RequestPublisher:
                     producer.publish(
                         body, exchange="", routing_key=self.queue.name, declare=[self.queue],
                         content_type="application/json", content_encoding="utf-8",
-                        delivery_mode=2 if self.persistent else 1, expiration=ttl_s, correlation_id=request.id,
-                        headers={"tenant": request.tenant, "model": request.model},
+                        delivery_mode=2 if self.persistent else 1, expiration=ttl_s,
+                        correlation_id=requests[0].id, headers={"requests": len(requests)},
                         timeout=remaining, confirm_timeout=remaining)
                     return
                 except (socket.timeout, TimeoutError):

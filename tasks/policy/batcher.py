@@ -19,7 +19,7 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tasks.policy import tokens
@@ -101,9 +101,18 @@ class Batcher:
 
         Returns seconds until this model's buffer needs a flush on its own (None: nothing to wait for).
         """
+        return self.add_message([request], ack)
+
+    def add_message(self, requests: Sequence[InferenceRequest], ack: Callable[[], None]) -> float | None:
+        """:meth:`add` for the requests of one message, acknowledged once every item of all of them is resolved;
+        returns the soonest flush any of their models needs (None: none)."""
+        delivery = _Delivery(ack=ack, remaining=sum(len(r.items) for r in requests))
+        delays = [self._add(request, delivery) for request in requests]
+        return min((d for d in delays if d is not None), default=None)
+
+    def _add(self, request: InferenceRequest, delivery: _Delivery) -> float | None:
         now = self.clock()
         offset = now - self.wallclock()  # epoch -> this process's monotonic clock
-        delivery = _Delivery(ack=ack, remaining=len(request.items))
         buffer = self.buffers.get(request.model)
         if buffer is None:
             buffer = self.buffers[request.model] = self._new_buffer()

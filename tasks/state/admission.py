@@ -89,13 +89,17 @@ end
 #       8 owner entry (tenant, model, class), 9 this process's instance id, 10 lease (s), 11 valid until
 #       (Redis time), 12 the model's token budget (0: none), 13 the record (JSON), 14 its TTL (s),
 #       item ids..., hashes..., estimated tokens...
-# Returns 'ok', 'quarantined:<hash>', 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set,
+# The script admits several calls in one round trip (the calls an API process has ready at once, see
+# tasks.broker.rounds): KEYS are 12 per call, ARGV[1] the number of calls, then per call the count of its
+# arguments and the arguments above; it returns one verdict per call, in order. For each call it returns
+# 'ok', 'quarantined:<hash>', 'tenant_full:<n>' / 'full:<n>' with the items ahead in the full set,
 # 'tokens_full:<n>' with the tokens the model holds, or
 # 'late' when the call reached Redis after its caller stopped waiting for the answer (a link that came back:
 # admitting it then would hold capacity for a call that was already refused).
 # An interactive call counts only the interactive items ahead of it (they go first in every batch); an
 # offline call counts both classes at its model, and only offline items against the global caps.
 _ADMIT = _PURGE + """
+local function admit(KEYS, ARGV)  -- one call's keys and arguments (shadowing the script's)
 if now > tonumber(ARGV[11]) then return 'late' end
 local n = tonumber(ARGV[5])
 local first = 15
@@ -150,14 +154,27 @@ for i = first, first + n - 1 do
 end
 if KEYS[12] ~= '' then redis.call('SET', KEYS[12], ARGV[13], 'EX', ARGV[14]) end
 return 'ok'
+end
+
+local verdicts, k, a = {}, 0, 2
+for c = 1, tonumber(ARGV[1]) do
+  local count = tonumber(ARGV[a])
+  verdicts[c] = admit({unpack(KEYS, k + 1, k + 12)}, {unpack(ARGV, a + 1, a + count)})
+  k, a = k + 12, a + count + 1
+end
+return verdicts
 """
 
-# KEYS: the six sets of one call (the fifth: its model's deadline set), its owner hash, its record ('' for none),
-# result keys...; ARGV: 1 the record as finished with 200 ('' for none), the item ids of those keys, in order.
-# Reads the results and releases the admission of every item that has one, in one round trip. With a record:
-# when every result is there and none is an error, the record is written finished, to expire with the first of
-# its results, and 'finished' is appended to the values.
+# Per call: KEYS the six sets of one call (the fifth: its model's deadline set), its owner hash, its record ('' for
+# none), result keys...; ARGV 1 the record as finished with 200 ('' for none), the item ids of those keys, in order.
+# Reads the results and releases the admission of every item that has one. With a record: when every result is
+# there and none is an error, the record is written finished, to expire with the first of its results, and
+# 'finished' is appended to the values.
+# The script does it for several calls in one round trip (the callers an API process woke together): ARGV[1] the
+# number of calls, then per call the count of its keys, the count of its arguments, and its arguments; KEYS every
+# call's keys, in order. It returns the values of each call, in order.
 _COLLECT = _FORGET + """
+local function collect(KEYS, ARGV)  -- one call's keys and arguments (shadowing the script's)
 local values = redis.call('MGET', unpack(KEYS, 9))
 local all = true
 for i = 1, #values do
@@ -182,6 +199,15 @@ if KEYS[8] ~= '' and all then
   end
 end
 return values
+end
+
+local out, k, a = {}, 0, 2
+for c = 1, tonumber(ARGV[1]) do
+  local nk, na = tonumber(ARGV[a]), tonumber(ARGV[a + 1])
+  out[c] = collect({unpack(KEYS, k + 1, k + nk)}, {unpack(ARGV, a + 2, a + 1 + na)})
+  k, a = k + nk, a + 2 + na
+end
+return out
 """
 
 # KEYS: the six sets of one call, its owner hash; ARGV: item ids. Releases them, whatever their state.
@@ -260,6 +286,40 @@ class Ticket:
     priority: Priority = Priority.INTERACTIVE
 
 
+@dataclass(frozen=True)
+class AdmitCall:
+    """One call to admit (see :meth:`Admission.try_admit` for what each field means)."""
+
+    item_ids: tuple[str, ...]
+    hashes: tuple[str, ...]
+    ticket: Ticket
+    now: float
+    timeout_s: float
+    model_cap: int | None = None
+    tenant_cap: int | None = None
+    tokens: tuple[int, ...] = ()
+    token_cap: int = 0
+    record: tuple[str, str, int] | None = None
+
+
+@dataclass(frozen=True)
+class CollectCall:
+    """One call's results to read (see :meth:`Admission.collect_finishing`)."""
+
+    ticket: Ticket
+    item_ids: tuple[str, ...]
+    result_keys: tuple[str, ...]
+    record: tuple[str, str] | None = None
+
+
+def _decision(raw: bytes | str) -> Decision:
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    verdict, _, detail = text.partition(":")
+    if verdict == Verdict.QUARANTINED:
+        return Decision(Verdict.QUARANTINED, bad_hash=detail)
+    return Decision(Verdict(verdict), ahead=int(detail or 0))
+
+
 class Admission:
     """The admission sets of one namespace. ``instance`` names the API process admitting through it (its
     lease and owner hash); readers (CLI, metrics) leave it empty."""
@@ -315,23 +375,35 @@ class Admission:
         estimated tokens (generation items; 0 or empty for others), admitted only while the model's admitted
         tokens stay within ``token_cap`` (0: no token budget): TOKENS_FULL. ``record``: (key, value, TTL) of the
         call's record, written only if the call is admitted."""
+        call = AdmitCall(tuple(item_ids), tuple(hashes), ticket, now, timeout_s, model_cap, tenant_cap,
+                         tuple(tokens), token_cap, record)
+        return self.try_admit_many([call], valid_until)[0]
+
+    def try_admit_many(self, calls: Sequence[AdmitCall], valid_until: float | None = None) -> list[Decision]:
+        """:meth:`try_admit` for several calls in one round trip, one after the other in the script (a call
+        admitted counts against the caps of those after it); a decision per call, in order."""
+        keys: list[Any] = []
+        args: list[Any] = [len(calls)]
+        for call in calls:
+            call_keys, call_args = self._admit_arguments(call, NEVER if valid_until is None else valid_until)
+            keys += call_keys
+            args += [len(call_args), *call_args]
+        return [_decision(raw) for raw in self._admit(keys=keys, args=args)]
+
+    def _admit_arguments(self, call: AdmitCall, valid_until: float) -> tuple[list[str], list[Any]]:
+        """One call's KEYS and ARGV, as the admission script reads them."""
+        ticket, record = call.ticket, call.record
         model = self.model_key(ticket.model)
         keys = [self.key, self.arrivals_key, self.quarantine_key, self.tenant_key(ticket.tenant), model,
-                model + ":arrivals", f"{model}:rate:{int(now)}", model + ":offline", self.offline_key,
+                model + ":arrivals", f"{model}:rate:{int(call.now)}", model + ":offline", self.offline_key,
                 self.owner_key, self.leases_key, record[0] if record else ""]
         entry = SEP.join((ticket.tenant, ticket.model, ticket.priority))
-        raw = self._admit(keys=keys, args=[self.cap, self.cap if model_cap is None else model_cap,
-                                           self.cap if tenant_cap is None else tenant_cap, timeout_s,
-                                           len(item_ids), ticket.priority, self.offline_cap, entry, self.instance,
-                                           self.lease_s, NEVER if valid_until is None else valid_until,
-                                           token_cap, record[1] if record else "", record[2] if record else 0,
-                                           *item_ids, *hashes,
-                                           *(tokens or [0] * len(item_ids))])
-        text = raw.decode() if isinstance(raw, bytes) else str(raw)
-        verdict, _, detail = text.partition(":")
-        if verdict == Verdict.QUARANTINED:
-            return Decision(Verdict.QUARANTINED, bad_hash=detail)
-        return Decision(Verdict(verdict), ahead=int(detail or 0))
+        args = [self.cap, self.cap if call.model_cap is None else call.model_cap,
+                self.cap if call.tenant_cap is None else call.tenant_cap, call.timeout_s, len(call.item_ids),
+                ticket.priority, self.offline_cap, entry, self.instance, self.lease_s, valid_until, call.token_cap,
+                record[1] if record else "", record[2] if record else 0, *call.item_ids, *call.hashes,
+                *(call.tokens or [0] * len(call.item_ids))]
+        return keys, args
 
     def collect(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
         """Read these items' result keys; items that have a result stop counting against the caps."""
@@ -341,10 +413,22 @@ class Admission:
                           record: tuple[str, str] | None = None) -> tuple[list[bytes | None], bool]:
         """:meth:`collect`, and, with ``record`` (key, value as finished), write the call's record in the same
         round trip when every result is in and none is an error (True: it was written)."""
-        key, value = record or ("", "")
-        values = list(self._collect(keys=[*self._sets(ticket), self.owner_key, key, *result_keys],
-                                    args=[value, *item_ids]))
-        return values[:len(item_ids)], len(values) > len(item_ids)
+        return self.collect_many([CollectCall(ticket, tuple(item_ids), tuple(result_keys), record)])[0]
+
+    def collect_many(self, calls: Sequence[CollectCall]) -> list[tuple[list[bytes | None], bool]]:
+        """:meth:`collect_finishing` for several calls in one round trip; per call, in order."""
+        keys: list[str] = []
+        args: list[Any] = [len(calls)]
+        for call in calls:
+            key, value = call.record or ("", "")
+            call_keys = [*self._sets(call.ticket), self.owner_key, key, *call.result_keys]
+            keys += call_keys
+            args += [len(call_keys), len(call.item_ids) + 1, value, *call.item_ids]
+        out = []
+        for call, values in zip(calls, self._collect(keys=keys, args=args)):
+            n = len(call.item_ids)
+            out.append((list(values[:n]), len(values) > n))
+        return out
 
     def release(self, ticket: Ticket, item_ids: Sequence[str]) -> None:
         if item_ids:

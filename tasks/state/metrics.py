@@ -12,6 +12,7 @@ Two kinds:
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +36,15 @@ HTTP_REQUESTS = Counter("llmb_http_requests", "Inference calls answered, by HTTP
                         ["status", "type"])
 REQUEST_LATENCY = Histogram("llmb_request_duration_seconds", "End-to-end latency of inference calls.",
                             ["status"], buckets=LATENCY_BUCKETS)
+
+
+@functools.cache
+def door_round_calls() -> Histogram:
+    """Calls per admission round at the door (made on first use: an unlabelled metric in multiprocess mode opens
+    its file when made, which must be in the API process, not in gunicorn's master)."""
+    return Histogram("llmb_door_round_calls", "Calls per admission round at the door (each round is one admission "
+                     "script call and one AMQP message): how far the door coalesces under load.",
+                     buckets=(1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0))
 
 
 def _bucket(value: float, bounds: tuple[float, ...]) -> str:

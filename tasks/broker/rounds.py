@@ -1,0 +1,93 @@
+"""Rounds at the door: the calls an API process has ready while its previous round trip is in flight go on
+together, as one admission script call and one AMQP message.
+
+Admitting a call costs an API process two round trips (the admission script, the confirmed publish), and most of
+their CPU is per message, not per call. So calls that arrive while a round is in flight do not start rounds of
+their own: they wait for it and go in the next one. The rate of rounds then stays about what one caller at a
+time would make, and a round grows with the load instead: under a flood each message carries tens of calls.
+A lone call goes at once; a round waits for nothing but the one before it.
+
+Threads or greenlets alike (the lock and events are gevent's once gunicorn's worker has monkey-patched
+threading). No thread of its own: the first caller of a round runs it, then hands the next round to the first
+caller still waiting.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+E = TypeVar("E")
+R = TypeVar("R")
+Run = Callable[[Sequence[E]], Sequence["R | Exception"]]
+
+
+@dataclass(eq=False)
+class _Seat(Generic[E, R]):
+    entry: E
+    woken: threading.Event = field(default_factory=threading.Event)
+    leads: bool = False  # woken to run the next round, not with an outcome
+    outcome: R | Exception | None = None
+
+
+class Rounds(Generic[E, R]):
+    """Runs ``run`` on the entries waiting together, at most ``max_size`` at a time, one round at a time.
+    ``run`` returns one outcome per entry, in order: a value for :meth:`join` to return or an exception for it to
+    raise. If ``run`` itself raises, every caller of the round gets that error; if it is interrupted (a
+    BaseException such as a killed greenlet), the others of the round get ``abandoned()``."""
+
+    def __init__(self, run: Run[E, R], max_size: int, abandoned: Callable[[], Exception]) -> None:
+        self.run = run
+        self.max_size = max_size
+        self.abandoned = abandoned
+        self._lock = threading.Lock()
+        self._waiting: list[_Seat[E, R]] = []
+        self._busy = False  # a round is in flight (or about to start): new entries wait for the next one
+
+    def join(self, entry: E) -> R:
+        """Go in the next round with whatever else is waiting; the entry's outcome."""
+        seat: _Seat[E, R] = _Seat(entry)
+        with self._lock:
+            self._waiting.append(seat)
+            leads, self._busy = not self._busy, True
+        if not leads:
+            seat.woken.wait()
+        if leads or seat.leads:
+            self._lead()
+        outcome = seat.outcome
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome  # type: ignore[return-value]
+
+    def _lead(self) -> None:
+        time.sleep(0)  # let callers that are ready to join (other greenlets, parsed and checked) take their seats
+        with self._lock:
+            seats, self._waiting = self._waiting[:self.max_size], self._waiting[self.max_size:]
+        finished = False
+        try:
+            try:
+                outcomes: Sequence[R | Exception] = self.run([s.entry for s in seats])
+                assert len(outcomes) == len(seats), "one outcome per entry"
+            except Exception as exc:
+                outcomes = [exc] * len(seats)
+            for seat, outcome in zip(seats, outcomes):
+                seat.outcome = outcome
+            finished = True
+        finally:
+            for seat in seats:
+                if not finished:
+                    seat.outcome = self.abandoned()
+                seat.woken.set()
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        """Wake the first waiting caller to run the next round, or mark the door idle."""
+        with self._lock:
+            if not self._waiting:
+                self._busy = False
+                return
+            nxt = self._waiting[0]
+        nxt.leads = True
+        nxt.woken.set()

@@ -1,0 +1,107 @@
+"""Rounds at the door, with threads: calls that arrive while a round is in flight go together in the next one."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import pytest
+
+from tasks.broker.rounds import Rounds
+from tests.stack import wait_for
+
+
+class Door:
+    """A round function that holds each round until the test lets it go, and records what each carried."""
+
+    def __init__(self) -> None:
+        self.carried: list[list[int]] = []
+        self.release = threading.Semaphore(0)
+        self.started = threading.Semaphore(0)
+
+    def run(self, entries: Sequence[int]) -> list[int | Exception]:
+        self.carried.append(list(entries))
+        self.started.release()
+        self.release.acquire()
+        return [ValueError(f"odd {e}") if e % 2 else e * 10 for e in entries]
+
+
+def join_all(rounds: Rounds[int, int], pool: ThreadPoolExecutor, entries: range) -> list[Future[int]]:
+    return [pool.submit(rounds.join, e) for e in entries]
+
+
+def test_calls_arriving_during_a_round_go_together_in_the_next_each_with_its_own_outcome() -> None:
+    door = Door()
+    rounds: Rounds[int, int] = Rounds(door.run, max_size=4, abandoned=lambda: RuntimeError("abandoned"))
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        first = pool.submit(rounds.join, 0)
+        assert door.started.acquire(timeout=5)  # a lone call goes at once, in a round of its own
+        later = join_all(rounds, pool, range(1, 7))
+        wait_for(lambda: len(rounds._waiting) == 6, 5, "six calls waiting for the round in flight")
+        for _ in range(3):
+            door.release.release()
+        assert first.result(timeout=5) == 0
+        wait_for(lambda: len(door.carried) == 3, 5, "the two rounds after the first")
+        for future, entry in zip(later, range(1, 7)):
+            if entry % 2:
+                with pytest.raises(ValueError, match=f"odd {entry}"):
+                    future.result(timeout=5)
+            else:
+                assert future.result(timeout=5) == entry * 10
+    assert door.carried == [[0], [1, 2, 3, 4], [5, 6]]  # at most max_size a round, in arrival order
+    assert not rounds._busy and not rounds._waiting
+
+
+def test_a_round_that_raises_fails_its_calls_and_the_next_round_still_runs() -> None:
+    calls: list[list[int]] = []
+
+    def run(entries: Sequence[int]) -> list[int | Exception]:
+        calls.append(list(entries))
+        if 0 in entries:
+            raise ConnectionError("Redis went away")
+        return list(entries)
+
+    rounds: Rounds[int, int] = Rounds(run, max_size=10, abandoned=lambda: RuntimeError("abandoned"))
+    with pytest.raises(ConnectionError):
+        rounds.join(0)
+    assert rounds.join(7) == 7
+    assert calls == [[0], [7]]
+
+
+def test_an_interrupted_leader_leaves_the_others_of_its_round_an_error_and_hands_on() -> None:
+    """A leader interrupted in the middle of its round (a killed greenlet: a BaseException) must not leave its
+    round's callers waiting forever, nor the door marked busy."""
+    first_round = threading.Event()
+    in_first = threading.Event()
+
+    def run(entries: Sequence[int]) -> list[int | Exception]:
+        if 9 in entries:  # the round in flight while 0 and 1 arrive
+            in_first.set()
+            first_round.wait(5)
+        if 0 in entries:
+            raise KeyboardInterrupt  # what a killed greenlet's GreenletExit is to this code: not an Exception
+        return list(entries)
+
+    rounds: Rounds[int, int] = Rounds(run, max_size=10, abandoned=lambda: RuntimeError("round abandoned"))
+    interrupted: list[BaseException] = []
+
+    def join_interrupted(entry: int) -> None:
+        try:
+            rounds.join(entry)
+        except KeyboardInterrupt as exc:
+            interrupted.append(exc)
+
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        in_flight = pool.submit(rounds.join, 9)
+        assert in_first.wait(5)
+        leader = pool.submit(join_interrupted, 0)  # the first waiting: it leads the next round
+        wait_for(lambda: len(rounds._waiting) == 1, 5, "0 waiting for the round in flight")
+        follower = pool.submit(rounds.join, 1)
+        wait_for(lambda: len(rounds._waiting) == 2, 5, "1 waiting behind it")
+        first_round.set()
+        assert in_flight.result(timeout=5) == 9
+        leader.result(timeout=5)
+        with pytest.raises(RuntimeError, match="round abandoned"):
+            follower.result(timeout=5)
+    assert len(interrupted) == 1
+    assert rounds.join(2) == 2 and not rounds._busy
