@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
@@ -19,7 +19,7 @@ class Door:
         self.release = threading.Semaphore(0)
         self.started = threading.Semaphore(0)
 
-    def run(self, entries: Sequence[int]) -> list[int | Exception]:
+    def run(self, entries: Sequence[int], hand_on: Callable[[], None]) -> list[int | Exception]:
         self.carried.append(list(entries))
         self.started.release()
         self.release.acquire()
@@ -55,7 +55,7 @@ def test_calls_arriving_during_a_round_go_together_in_the_next_each_with_its_own
 def test_a_round_that_raises_fails_its_calls_and_the_next_round_still_runs() -> None:
     calls: list[list[int]] = []
 
-    def run(entries: Sequence[int]) -> list[int | Exception]:
+    def run(entries: Sequence[int], hand_on: Callable[[], None]) -> list[int | Exception]:
         calls.append(list(entries))
         if 0 in entries:
             raise ConnectionError("Redis went away")
@@ -74,7 +74,7 @@ def test_an_interrupted_leader_leaves_the_others_of_its_round_an_error_and_hands
     first_round = threading.Event()
     in_first = threading.Event()
 
-    def run(entries: Sequence[int]) -> list[int | Exception]:
+    def run(entries: Sequence[int], hand_on: Callable[[], None]) -> list[int | Exception]:
         if 9 in entries:  # the round in flight while 0 and 1 arrive
             in_first.set()
             first_round.wait(5)
@@ -105,3 +105,27 @@ def test_an_interrupted_leader_leaves_the_others_of_its_round_an_error_and_hands
             follower.result(timeout=5)
     assert len(interrupted) == 1
     assert rounds.join(2) == 2 and not rounds._busy
+
+
+def test_a_round_that_hands_on_lets_the_next_round_run_while_it_still_waits() -> None:
+    """The door's round hands on once only the broker's confirm is left: a round blocked on it (a broker alarm)
+    must not hold the rounds behind it."""
+    confirm = threading.Event()
+    carried: list[list[int]] = []
+
+    def run(entries: Sequence[int], hand_on: Callable[[], None]) -> list[int | Exception]:
+        carried.append(list(entries))
+        hand_on()
+        if 0 in entries:
+            assert confirm.wait(5)
+        return list(entries)
+
+    rounds: Rounds[int, int] = Rounds(run, max_size=10, abandoned=lambda: RuntimeError("abandoned"))
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        blocked = pool.submit(rounds.join, 0)
+        wait_for(lambda: carried == [[0]], 5, "the first round, waiting for its confirm")
+        assert pool.submit(rounds.join, 1).result(timeout=5) == 1  # ran while the first still waits
+        assert not blocked.done()
+        confirm.set()
+        assert blocked.result(timeout=5) == 0
+    assert not rounds._busy

@@ -13,12 +13,17 @@ Two changes to gunicorn's gevent server make that wait visible:
 * with several workers gunicorn accepts one connection per wake-up of the listening socket. A process short of
   CPU then leaves the rest in the kernel's accept queue, where nothing can see or refuse them; this worker
   accepts up to :data:`ACCEPT_BATCH` at once, so they wait where their delay is measured.
+
+And one to its responses: gunicorn writes a response's headers and its body with a system call each; this
+worker holds the headers back and sends them with the first piece of the body (the two writes were 7.7% of
+an API process's CPU under load, measured with py-spy).
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import gunicorn.http.wsgi as wsgi
 import gunicorn.workers.ggevent as ggevent
 from gevent.baseserver import _handle_and_close_when_done  # type: ignore[attr-defined]
 from gevent.local import local
@@ -48,9 +53,59 @@ class _TimedServer(StreamServer):
             raise
 
 
+class _HeldHeaders:
+    """A response's socket that holds the headers back (:meth:`hold`) to send them with the next write."""
+
+    def __init__(self, sock: Any) -> None:
+        self.sock = sock
+        self._holding = False
+        self._held = b""
+
+    def hold(self) -> None:
+        self._holding = True
+
+    def sendall(self, data: bytes) -> None:
+        if self._holding:
+            self._holding, self._held = False, bytes(data)
+            return
+        self.flush(data)
+
+    def flush(self, data: bytes = b"") -> None:
+        held, self._held = self._held, b""
+        if held or data:
+            self.sock.sendall(held + data)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sock, name)
+
+
+class _OneWriteResponse(wsgi.Response):
+    """gunicorn's response, its headers sent with the first piece of its body in one write."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sock = _HeldHeaders(self.sock)  # type: ignore[has-type]
+
+    def send_headers(self) -> None:
+        if not self.headers_sent:
+            self.sock.hold()
+        super().send_headers()
+
+    def sendfile(self, respiter: Any) -> Any:
+        self.send_headers()
+        self.sock.flush()  # the file goes straight from the kernel: the headers must be out first
+        return super().sendfile(respiter)
+
+    def close(self) -> None:
+        super().close()
+        self.sock.flush()  # a response without a body (or a chunked one's last chunk)
+
+
 class ArrivalTimingWorker(GeventWorker):
     def run(self) -> None:
-        ggevent.StreamServer = _TimedServer  # gunicorn's run() builds its servers from this name (this process only)
+        # gunicorn's run() builds its servers, and each request its response, from these names (this process only)
+        ggevent.StreamServer = _TimedServer
+        wsgi.Response = _OneWriteResponse
         super().run()
 
 

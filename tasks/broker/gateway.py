@@ -221,7 +221,7 @@ class Gateway:
         self.rounds: Rounds[_Joining, Any] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
             "the call's admission round was interrupted; retry"))
         self.reads: Rounds[CollectCall, tuple[list[bytes | None], bool]] = Rounds(
-            self.admission.collect_many, ROUND_MAX_CALLS,
+            lambda calls, hand_on: self.admission.collect_many(calls), ROUND_MAX_CALLS,
             lambda: redis.ConnectionError("the round reading the results was interrupted"))
 
     def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
@@ -553,9 +553,11 @@ class Gateway:
                           tuple(prepared.item_tokens), prepared.token_cap, record)
         return self.rounds.join(_Joining(call, prepared, admit, turn))
 
-    def _admit_round(self, calls: Sequence[_Joining]) -> list[Any]:
+    def _admit_round(self, calls: Sequence[_Joining], hand_on: Callable[[], None]) -> list[Any]:
         """One round: admit the calls in one script call, publish those admitted in one message. A listener's
-        waiter per call admitted and published, the error it is refused with for the others."""
+        waiter per call admitted and published, the error it is refused with for the others. The next round
+        may start (``hand_on``) while this one waits for the broker's confirm: under a broker alarm that wait is
+        the whole publish timeout, and each round must get its 503 within it, not after the rounds before it."""
         door_round_calls().observe(len(calls))
         try:
             self._keep_lease()
@@ -580,6 +582,7 @@ class Gateway:
             for i in published:
                 waiters[i] = self.listener.expect(list(calls[i].admit.item_ids))
                 calls[i].turn.leave()
+            hand_on()
             error = self._publish([calls[i].prepared for i in published])
             for i in published:
                 if error is None:

@@ -21,7 +21,7 @@ from typing import Generic, TypeVar
 
 E = TypeVar("E")
 R = TypeVar("R")
-Run = Callable[[Sequence[E]], Sequence["R | Exception"]]
+Run = Callable[[Sequence[E], Callable[[], None]], Sequence["R | Exception"]]
 
 
 @dataclass(eq=False)
@@ -33,10 +33,12 @@ class _Seat(Generic[E, R]):
 
 
 class Rounds(Generic[E, R]):
-    """Runs ``run`` on the entries waiting together, at most ``max_size`` at a time, one round at a time.
-    ``run`` returns one outcome per entry, in order: a value for :meth:`join` to return or an exception for it to
-    raise. If ``run`` itself raises, every caller of the round gets that error; if it is interrupted (a
-    BaseException such as a killed greenlet), the others of the round get ``abandoned()``."""
+    """Runs ``run(entries, hand_on)`` on the entries waiting together, at most ``max_size`` at a time, one round
+    at a time. ``run`` returns one outcome per entry, in order: a value for :meth:`join` to return or an exception
+    for it to raise. It may call ``hand_on()`` to let the next round start before it returns (once only waiting is
+    left, say for a broker's confirm, which must not hold up the next round's admission). If ``run`` itself
+    raises, every caller of the round gets that error; if it is interrupted (a BaseException such as a killed
+    greenlet), the others of the round get ``abandoned()``."""
 
     def __init__(self, run: Run[E, R], max_size: int, abandoned: Callable[[], Exception]) -> None:
         self.run = run
@@ -65,10 +67,16 @@ class Rounds(Generic[E, R]):
         time.sleep(0)  # let callers that are ready to join (other greenlets, parsed and checked) take their seats
         with self._lock:
             seats, self._waiting = self._waiting[:self.max_size], self._waiting[self.max_size:]
-        finished = False
+        finished, handed = False, threading.Event()
+
+        def hand_on() -> None:
+            if not handed.is_set():
+                handed.set()
+                self._hand_on()
+
         try:
             try:
-                outcomes: Sequence[R | Exception] = self.run([s.entry for s in seats])
+                outcomes: Sequence[R | Exception] = self.run([s.entry for s in seats], hand_on)
                 assert len(outcomes) == len(seats), "one outcome per entry"
             except Exception as exc:
                 outcomes = [exc] * len(seats)
@@ -80,7 +88,7 @@ class Rounds(Generic[E, R]):
                 if not finished:
                     seat.outcome = self.abandoned()
                 seat.woken.set()
-            self._hand_on()
+            hand_on()
 
     def _hand_on(self) -> None:
         """Wake the first waiting caller to run the next round, or mark the door idle."""
