@@ -13,9 +13,11 @@ import io
 import json
 import math
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import gevent
@@ -27,7 +29,7 @@ from tasks.policy.callers import RecentCallers
 from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import NATIVE, OPENAI
 from webapp.validation import request_id_from
-from webapp.worker import arrival
+from webapp.worker import arrival, backlog
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -56,6 +58,7 @@ class Door:
         self.clock = clock
         self.gate = gate  # the process's turnstile in front of admission: a request that would wait too long is refused
         self.held = 0
+        self.last_delay_s = 0.0  # how long the last request entering waited for this process to get to it
         self.callers = RecentCallers(clock)
         self._lock = threading.Lock()  # gevent's own lock once gunicorn's worker has monkey-patched threading
 
@@ -73,26 +76,59 @@ class Door:
         to be refused, ``identify`` may name it (the tenant in its body). A caller sending well under an even
         share of this process's recent requests is let in late all the same: a burst from one caller must not
         get the others refused."""
-        delay = 0.0 if arrived_at is None else self.clock() - arrived_at
-        wait = self.gate.expected_wait_s() if self.gate is not None else 0.0
-        late = delay > self.max_delay_s
-        behind = late or wait > self.max_delay_s - delay  # it could not get its turn in time
-        if behind and not caller and identify is not None:
-            caller = identify()
-        self.callers.arrived(caller)
-        if behind and not self.callers.light(caller):
-            if late:
-                raise Overloaded(f"this API process is running {delay * 1000:.0f} ms behind (a burst); retry in "
-                                 f"{self.retry_after_s} s", retry_after_s=self.retry_after_s)
-            assert self.gate is not None
-            retry = self.gate.retry_after_s()
-            raise Overloaded(f"this API process would take {(delay + wait) * 1000:.0f} ms to get to the request "
-                             f"(more calls than it can admit in time); retry in {retry} s", retry_after_s=retry)
+        delay = self.last_delay_s = 0.0 if arrived_at is None else self.clock() - arrived_at
+        error = self._behind(delay, caller, identify)
+        if error is not None:
+            raise error
         with self._lock:
             if self.held >= self.limit:
                 raise QueueFull(f"this API process holds {self.held} requests, its share of the admission caps; "
                                 f"retry in {self.retry_after_s} s", retry_after_s=self.retry_after_s)
             self.held += 1
+
+    def behind_at_accept(self) -> bool:
+        """Whether a request accepted now would be refused for want of time (see :meth:`_expected_delay`)."""
+        return self._late_or_turnless(self._expected_delay())[0]
+
+    def refusal_at_accept(self, caller: str) -> Overloaded | None:
+        """The refusal of a request just accepted (see :meth:`behind_at_accept`) unless its caller is light (None:
+        let it in). A caller let in here is counted again when its request reaches :meth:`enter`: while the
+        process is behind, a light caller looks up to twice as busy as it is (still light unless near the line)."""
+        delay = self._expected_delay()
+        if not self._late_or_turnless(delay)[0] or self.callers.light(caller):
+            return None
+        return self._behind(delay, caller, None)
+
+    def _expected_delay(self) -> float:
+        """How long a request accepted now will wait for this process to get to it: while connections are still
+        waiting for it (:func:`webapp.worker.backlog`), as long as the last request it got to waited, or the
+        oldest of them so far if longer; nothing once none wait (the requests let in then measure it again)."""
+        waiting, oldest_s = backlog()
+        return max(oldest_s, self.last_delay_s) if waiting else 0.0
+
+    def _late_or_turnless(self, delay: float) -> tuple[bool, bool, float]:
+        """(behind, late, expected wait at the gate) for a request ``delay`` behind: late when it waited more
+        than ``max_delay_s``, behind when also it could not get its turn in time."""
+        wait = self.gate.expected_wait_s() if self.gate is not None else 0.0
+        late = delay > self.max_delay_s
+        return late or wait > self.max_delay_s - delay, late, wait
+
+    def _behind(self, delay: float, caller: str, identify: Callable[[], str] | None) -> Overloaded | None:
+        """Overloaded when a request ``delay`` behind could not get its turn in time, unless its caller is light
+        (the caller is counted either way)."""
+        behind, late, wait = self._late_or_turnless(delay)
+        if behind and not caller and identify is not None:
+            caller = identify()
+        self.callers.arrived(caller)
+        if not behind or self.callers.light(caller):
+            return None
+        if late:
+            return Overloaded(f"this API process is running {delay * 1000:.0f} ms behind (a burst); retry in "
+                              f"{self.retry_after_s} s", retry_after_s=self.retry_after_s)
+        assert self.gate is not None
+        retry = self.gate.retry_after_s()
+        return Overloaded(f"this API process would take {(delay + wait) * 1000:.0f} ms to get to the request "
+                          f"(more calls than it can admit in time); retry in {retry} s", retry_after_s=retry)
 
     def leave(self) -> None:
         with self._lock:
@@ -118,19 +154,103 @@ class DoorMiddleware:
             self.door.enter(arrived_at, environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_TENANT") or "",
                             lambda: _tenant_in_body(environ))
         except QueueFull as exc:
-            HTTP_REQUESTS.labels(str(exc.status), exc.type).inc()  # no log line: it would cost more than this
-            request_id = request_id_from(environ.get("HTTP_X_REQUEST_ID"))
-            shape = NATIVE if environ.get("PATH_INFO", "") == "/v1/infer" else OPENAI
-            body = json.dumps(shape.body(exc.status, exc.type, exc.message, request_id)).encode()
-            start_response(f"{exc.status} Too Many Requests", [
-                ("Content-Type", "application/json"), ("Content-Length", str(len(body))),
-                ("Retry-After", str(exc.retry_after_s or 1)), ("X-Request-Id", request_id)])
+            headers, body = _refusal(exc, environ.get("PATH_INFO", ""), environ.get("HTTP_X_REQUEST_ID"))
+            start_response(f"{exc.status} Too Many Requests", headers)
             return [body]
         try:
             return _LeaveWhenDone(self.app(environ, start_response), self.door.leave)
         except BaseException:
             self.door.leave()
             raise
+
+
+def _refusal(error: QueueFull, path: str, request_id: str | None) -> tuple[list[tuple[str, str]], bytes]:
+    """A door's ready-made 429: its headers and JSON body (the native or OpenAI shape, by path)."""
+    HTTP_REQUESTS.labels(str(error.status), error.type).inc()  # no log line: it would cost more than the refusal
+    request_id = request_id_from(request_id)
+    shape = NATIVE if path == "/v1/infer" else OPENAI
+    body = json.dumps(shape.body(error.status, error.type, error.message, request_id)).encode()
+    return [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
+            ("Retry-After", str(error.retry_after_s or 1)), ("X-Request-Id", request_id)], body
+
+
+class AcceptDoor:
+    """The door at accept: while the process is behind, a request is refused from its bytes already arrived,
+    before gunicorn parses it or a greenlet is spawned for it.
+
+    Under a flood the refusals are most of the work: at three times the capacity of one 250 ms device, two
+    API processes refuse 800 requests a second, and gunicorn's parsing, the WSGI environ and the response cost
+    about half a millisecond each, enough with the admitted calls to keep the processes behind, and then everything is
+    refused, the admitted calls' own round trips waiting behind the refusals. Here a refusal is a peek at the
+    socket, a few header lookups, one write and a close. Anything this does not handle plainly (a request not
+    all arrived yet, no Content-Length, chunked, not an inference call) goes the usual way, to be refused or let
+    in by :class:`DoorMiddleware` with the same rules."""
+
+    def __init__(self, door: Door, is_inference: Callable[[str], bool]) -> None:
+        self.door = door
+        self.is_inference = is_inference
+
+    def __call__(self, sock: socket.socket) -> bool:
+        """Refuse the request on this just-accepted connection if the door would (True: answered; the caller
+        closes the connection)."""
+        if not self.door.behind_at_accept():
+            return False
+        request = _peek_request(sock)
+        if request is None or not self.is_inference(request.path):
+            return False
+        caller = request.headers.get("authorization") or request.headers.get("x-tenant") or _tenant_of(request.body)
+        error = self.door.refusal_at_accept(caller)
+        if error is None:
+            return False
+        headers, body = _refusal(error, request.path, request.headers.get("x-request-id"))
+        head = "".join(f"{k}: {v}\r\n" for k, v in [*headers, ("Connection", "close")])
+        try:
+            sock.settimeout(0.0)
+            sock.recv(request.size)  # all there: the peek saw it
+            sock.sendall(f"HTTP/1.1 {error.status} Too Many Requests\r\n{head}\r\n".encode("latin-1") + body)
+        except OSError:
+            pass  # the caller is gone, or the response did not fit at once: it is closed all the same
+        return True
+
+
+@dataclass(frozen=True)
+class _Peeked:
+    path: str
+    headers: dict[str, str]  # lower-case names
+    body: bytes
+    size: int  # bytes of the whole request
+
+
+def _peek_request(sock: socket.socket) -> _Peeked | None:
+    """The request already arrived on a new connection, read without taking it off the socket (None: not all
+    there, or not a plain POST with a Content-Length)."""
+    timeout = sock.gettimeout()
+    try:
+        sock.settimeout(0.0)
+        data = sock.recv(PEEK_MAX_BYTES + 8192, socket.MSG_PEEK)
+    except OSError:
+        return None
+    finally:
+        sock.settimeout(timeout)
+    end = data.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    request_line, *lines = data[:end].decode("latin-1").split("\r\n")
+    method, _, rest = request_line.partition(" ")
+    headers = {}
+    for line in lines:
+        name, sep, value = line.partition(":")
+        if not sep:
+            return None
+        headers[name.strip().lower()] = value.strip()
+    try:
+        length = int(headers.get("content-length", ""))
+    except ValueError:
+        return None
+    size = end + 4 + length
+    if method != "POST" or "transfer-encoding" in headers or length < 0 or len(data) < size:
+        return None
+    return _Peeked(rest.split(" ", 1)[0].split("?", 1)[0], headers, data[end + 4:size], size)
 
 
 class _LeaveWhenDone:
@@ -183,5 +303,9 @@ def _tenant_in_body(environ: WSGIEnvironment) -> str:
     except (gevent.Timeout, OSError, ValueError):
         return ""
     environ["wsgi.input"] = io.BytesIO(body)
-    found = _TENANT.search(body)
+    return _tenant_of(body)
+
+
+def _tenant_of(body: bytes) -> str:
+    found = _TENANT.search(body) if len(body) <= PEEK_MAX_BYTES else None
     return found.group(1).decode("utf-8", "replace") if found else ""

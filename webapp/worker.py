@@ -21,6 +21,8 @@ an API process's CPU under load, measured with py-spy).
 from __future__ import annotations
 
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 import gunicorn.http.wsgi as wsgi
@@ -34,6 +36,18 @@ _connection = local()  # per greenlet (gevent's own: this module loads in gunico
 ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
 
 
+# What may refuse a request on a just-accepted connection before a greenlet is spawned for it (the app's
+# webapp.door.AcceptDoor, set by create_app): True when it answered; the connection is then closed.
+at_accept: Callable[[Any], bool] | None = None
+_unstarted: OrderedDict[object, float] = OrderedDict()  # accepted connections whose greenlet has not run yet
+
+
+def backlog() -> tuple[int, float]:
+    """Accepted connections whose greenlet has not run yet, and how long the oldest of them has waited."""
+    oldest = next(iter(_unstarted.values()), None)
+    return len(_unstarted), 0.0 if oldest is None else time.monotonic() - oldest
+
+
 class _TimedServer(StreamServer):
     """gevent's StreamServer, accepting in batches and stamping each connection with its accept time."""
 
@@ -41,14 +55,22 @@ class _TimedServer(StreamServer):
 
     def do_handle(self, *args: Any) -> None:
         accepted_at, handle = time.monotonic(), self._handle
+        if at_accept is not None and at_accept(args[0]):
+            self.do_close(*args)
+            return
+
+        token = object()
 
         def timed(*a: Any) -> Any:
+            _unstarted.pop(token, None)
             _connection.accepted_at = accepted_at
             return handle(*a)
 
+        _unstarted[token] = accepted_at
         try:
             self._spawn(_handle_and_close_when_done, timed, self.do_close, args)
         except BaseException:
+            _unstarted.pop(token, None)
             self.do_close(*args)
             raise
 
