@@ -294,7 +294,7 @@ def test_a_claim_whose_process_died_before_publishing_is_taken_over_at_once() ->
             first = record(uuid.uuid4().hex, instance)
             assert requests_.claim(first, idem, now).claimed
             if publish:
-                requests_.published(first)
+                requests_.published([first])
             assert requests_.peek("t", idem).claimed is taken_over
             retry = requests_.claim(record(uuid.uuid4().hex, "retrier"), idem, now)
             assert retry.claimed is taken_over, (instance, publish)

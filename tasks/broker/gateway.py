@@ -445,11 +445,17 @@ class Gateway:
             log.warning("could not record the outcome of request %s: %s", entered.record.request_id, exc)
         return True
 
-    def _mark_published(self, record: Record) -> None:
+    def _mark_published(self, calls: Sequence[_Joining]) -> None:
+        """Mark the records of the idempotent calls (those whose claim wrote the record) published, in the round
+        that published them: a process killed between the confirm and the mark can run such a call twice, and
+        that window is one round trip long, not every caller's wake-up."""
+        records = [c.prepared.record for c in calls if c.admit.record is None]
+        if not records:
+            return
         try:
-            self.requests.published(record)
+            self.requests.published(records)
         except redis.RedisError as exc:  # a retry after this process died would wait for the deadline
-            log.warning("could not mark request %s published: %s", record.request_id, exc)
+            log.warning("could not mark %d requests published: %s", len(records), exc)
 
     def _forget(self, record: Record, idempotency: Idempotency | None) -> None:
         try:
@@ -509,8 +515,6 @@ class Gateway:
             if idempotency is not None:
                 self._forget(prepared.record, idempotency)
             raise
-        if idempotency is not None:
-            self._mark_published(prepared.record)
         return _Entered([i.id for i in prepared.request.items], prepared.deadline, prepared.request.accepted_at,
                         prepared.record, idempotency, waiter)
 
@@ -584,6 +588,8 @@ class Gateway:
                 calls[i].turn.leave()
             hand_on()
             error = self._publish([calls[i].prepared for i in published])
+            if error is None:
+                self._mark_published([calls[i] for i in published])
             for i in published:
                 if error is None:
                     outcomes[i] = waiters.pop(i)

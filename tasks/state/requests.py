@@ -24,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -292,10 +293,14 @@ class Requests:
         pipe.expire(self._idem_key(record.tenant, idem), ttl_s)
         pipe.execute()
 
-    def published(self, record: Record) -> None:
-        """Mark an idempotent call's record: its request is in RabbitMQ, so a retry waits for it to be answered."""
-        self.client.set(self.keys.request(record.tenant, record.request_id),
-                        replace(record, published=True).to_json(), keepttl=True)
+    def published(self, records: Sequence[Record]) -> None:
+        """Mark idempotent calls' records (one round trip): their requests are in RabbitMQ, so a retry waits for
+        them to be answered."""
+        pipe = self.client.pipeline(transaction=False)
+        for record in records:
+            pipe.set(self.keys.request(record.tenant, record.request_id), replace(record, published=True).to_json(),
+                     keepttl=True)
+        pipe.execute()
 
     def release(self, record: Record, idem: Idempotency | None) -> None:
         """Forget a call that did not run (refused, or a stream whose caller went away), and free its key."""
