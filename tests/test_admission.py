@@ -27,8 +27,9 @@ def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> Non
 
     assert deadline_cap([], 5.0, 10_000) == 10_000  # nothing measured yet: the configured cap
     assert deadline_cap([w(0.0)], 5.0, 10_000) == 10_000
-    assert deadline_cap([w(250.0)], 5.0, 10_000) == 1350  # 400 items/s for 3/4 of 5 s less two batches
-    assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000) == 450  # (400 + 200)/s for 3/4 of 2 s less two slow batches
+    # a batch per worker, and 3/4 of the rest of what 400 items/s answer in 5 s less two batches
+    assert deadline_cap([w(250.0)], 5.0, 10_000) == 100 + (1800 - 100) * 3 // 4
+    assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000) == 200 + (600 - 200) * 3 // 4  # (400 + 200)/s, slow batches
     assert deadline_cap([w(250.0)], 0.1, 10_000) == 100  # never below one full batch per worker
     assert deadline_cap([w(250.0)], 300.0, 10_000) == 10_000  # never above the configured cap
 

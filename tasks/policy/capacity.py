@@ -24,11 +24,12 @@ def throughput(workers: Sequence[WorkerInfo]) -> float:
     return sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in workers if w.batch_ms_estimate > 0)
 
 
-# The share of a caller's time (less two batches) that the work admitted ahead of it may take. The throughput
-# above is the batch rate of the workers' measured run times, which a fleet under overload does not quite reach
-# (the gaps between batches; ~90% busy measured on a saturated 2-core host), and an answer still has to get back
-# through an API process that may be short of CPU itself. Filling all of it (1.0), a full queue was answered
-# 4.5-5 s after admission against a 4.5 s deadline: 504s and answers after the client's deadline.
+# The share of the queue beyond one batch per worker that may be filled. The throughput below is the batch rate of
+# the workers' measured run times, which a fleet under overload does not quite reach (the gaps between batches;
+# ~90% busy measured on a saturated 2-core host), and an answer still has to get back through an API process
+# that may be short of CPU itself. Filling all of it (1.0), one 250 ms worker's full queue was answered 4.5-5 s
+# after admission against a 4.5 s deadline: 504s and answers after the client's deadline. (A share of the whole,
+# not of the part beyond the running batches, refused calls at 90% load on 2 workers x 1 s batches.)
 QUEUE_SHARE = 0.75
 
 
@@ -36,9 +37,9 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     """How many items may be in flight for a new request to still be answered within ``timeout_s``.
 
     The fleet's throughput (batch size over measured batch time, summed over live workers) times the time
-    the caller is willing to wait less two batch times (the batch running when its turn comes, and its own),
-    of which the work ahead may fill :data:`QUEUE_SHARE`; never less than one full batch per worker, never more
-    than the configured cap. A request beyond it would only wait to time out, so it is refused at once instead.
+    the caller is willing to wait less two batch times (the batch running when its turn comes, and its own):
+    one full batch per worker, and :data:`QUEUE_SHARE` of the rest; never more than the configured cap. A
+    request beyond it would only wait to time out, so it is refused at once instead.
     """
     rate = throughput(workers)
     if rate <= 0:
@@ -46,7 +47,8 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     floor = sum(w.max_batch for w in workers)
     # an item admitted now waits for those ahead, then for the batch running when its turn comes, then its own
     batch_s = max(w.batch_ms_estimate for w in workers) / 1000
-    return min(configured, max(floor, int(rate * (timeout_s - 2 * batch_s) * QUEUE_SHARE)))
+    fits = rate * (timeout_s - 2 * batch_s)
+    return min(configured, max(floor, int(floor + (fits - floor) * QUEUE_SHARE)))
 
 
 def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headroom: float) -> int | None:
