@@ -52,8 +52,9 @@ def test_300_concurrent_requests_each_get_their_own_output(stack: Stack) -> None
         assert 1 <= body["batch"]["size"] <= 100
         assert set(body["timing"]) == {"queued_ms", "run_ms", "total_ms"}
     # Waiters share one subscription and a bounded pool per API process (2 processes, pool of 10 each):
-    # 300 waiting requests must not mean 300 Redis connections.
-    assert peak[0] - baseline <= 2 * (10 + 1), (baseline, peak[0])
+    # 300 waiting requests must not mean 300 Redis connections. (Each of the 2 workers may open a second
+    # connection: its host thread writes a batch's results while the next batch is claimed.)
+    assert peak[0] - baseline <= 2 * (10 + 1) + 2, (baseline, peak[0])
 
 
 def test_a_call_with_several_inputs_gets_them_back_in_order(stack: Stack) -> None:

@@ -555,7 +555,13 @@ class Gateway:
                           Ticket(call.tenant, call.model, call.priority), request.accepted_at, prepared.remaining_s,
                           self.cap_for(call.model, prepared.remaining_s), call.tenant_cap,
                           tuple(prepared.item_tokens), prepared.token_cap, record)
-        return self.rounds.join(_Joining(call, prepared, admit, turn))
+        joining = _Joining(call, prepared, admit, turn)
+        if recorded:  # an idempotent call goes alone: a process killed between a round's confirm and its mark
+            outcome = self._admit_round([joining], lambda: None)[0]  # would leave the whole round to run twice
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return self.rounds.join(joining)
 
     def _admit_round(self, calls: Sequence[_Joining], hand_on: Callable[[], None]) -> list[Any]:
         """One round: admit the calls in one script call, publish those admitted in one message. A listener's
