@@ -304,7 +304,7 @@ class AdmitCall:
 
 @dataclass(frozen=True)
 class CollectCall:
-    """One call's results to read (see :meth:`Admission.collect_finishing`)."""
+    """One call's results to read (see :meth:`Admission.collect_many`)."""
 
     ticket: Ticket
     item_ids: tuple[str, ...]
@@ -407,16 +407,12 @@ class Admission:
 
     def collect(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str]) -> list[bytes | None]:
         """Read these items' result keys; items that have a result stop counting against the caps."""
-        return self.collect_finishing(ticket, item_ids, result_keys)[0]
-
-    def collect_finishing(self, ticket: Ticket, item_ids: Sequence[str], result_keys: Sequence[str],
-                          record: tuple[str, str] | None = None) -> tuple[list[bytes | None], bool]:
-        """:meth:`collect`, and, with ``record`` (key, value as finished), write the call's record in the same
-        round trip when every result is in and none is an error (True: it was written)."""
-        return self.collect_many([CollectCall(ticket, tuple(item_ids), tuple(result_keys), record)])[0]
+        return self.collect_many([CollectCall(ticket, tuple(item_ids), tuple(result_keys))])[0][0]
 
     def collect_many(self, calls: Sequence[CollectCall]) -> list[tuple[list[bytes | None], bool]]:
-        """:meth:`collect_finishing` for several calls in one round trip; per call, in order."""
+        """:meth:`collect` for several calls in one round trip, each also writing its record (key, value as
+        finished) when every result is in and none is an error; per call, in order: the values, and whether the
+        record was written."""
         keys: list[str] = []
         args: list[Any] = [len(calls)]
         for call in calls:
