@@ -330,13 +330,24 @@ def run_lm(stack: Stack, name: str, mode: str, device: int, env: dict[str, objec
     wid = _worker_id(device)
     start_worker(stack, device, "sim-lm", {"sim_lm_mode": mode, "sim_lm_speed": speed, **env})
     try:
+        earlier = sum(b[3] for b in ledger_batches(stack, wid))
         for i in range(2):  # warm-up: the batcher's and the worker's first batches, outside the figures
             warm = stream_completion(stack.url, {"model": "sim-lm", "prompt": f"warm-up {i}", "max_tokens": 4,
                                                  "stream": True, "temperature": 0}, 60, f"warm-{mode}-{i}")
             if warm["status"] != 200:
                 raise RuntimeError(f"the warm-up call failed: {warm}")
         wait_idle(stack, device)
-        before_ids = {b[0] for b in ledger_batches(stack, wid)}
+        # a streamed caller is answered before its batch's ledger record is written: wait for the warm-up's
+        # records, or a late one would count as a batch of the run
+        before: list[tuple[str, float, float, int]] = []
+
+        def warmed() -> bool:
+            nonlocal before
+            before = ledger_batches(stack, wid)
+            return sum(b[3] for b in before) >= earlier + 2
+
+        wait_for(warmed, 10, "the warm-up's batches in the ledger")
+        before_ids = {b[0] for b in before}
         c0 = counters(stack)
         admin: dict[str, Any] = {}
         window = calls[-1]["t"] / speed if calls else 0.0
