@@ -94,12 +94,47 @@ class WorkerState:
 HOST_THREADS = 1  # batch threads beyond the device's slots: they write results while the device runs the next batch
 
 
+class Device:
+    """The device's slots, and since when it has sat free: a batch that finds it free came late, and says by how
+    much (``idle_ms`` of its "started" announcement), so that the batchers learn to hand the next one over sooner.
+    """
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self._free = threading.Semaphore(slots)
+        self._lock = threading.Lock()
+        self._held = 0
+        self._free_since: float | None = time.monotonic()  # None while every slot is taken
+
+    def acquire(self) -> None:
+        self._free.acquire()
+        with self._lock:
+            self._held += 1
+            if self._held >= self.slots:
+                self._free_since = None
+
+    def release(self) -> None:
+        with self._lock:
+            self._held -= 1
+            if self._free_since is None:
+                self._free_since = time.monotonic()
+        self._free.release()
+
+    def idle_s(self) -> float | None:
+        """How long a slot has been free (0: all are taken; None with several slots: a slot free is no news)."""
+        if self.slots != 1:
+            return None
+        with self._lock:
+            since = self._free_since
+        return 0.0 if since is None else time.monotonic() - since
+
+
 class _Held:
     """A slot of the device, taken when made; released at the first :meth:`release` (or the end of a ``with``)."""
 
-    def __init__(self, slots: threading.Semaphore) -> None:
+    def __init__(self, slots: Device) -> None:
         slots.acquire()
-        self._slots: threading.Semaphore | None = slots
+        self._slots: Device | None = slots
 
     def release(self) -> None:
         slots, self._slots = self._slots, None
@@ -141,7 +176,7 @@ class BatchRunner:
         self.cancelled = cancelled  # item ids whose callers went away
         # The device's slots. The worker runs a thread more than that (:data:`HOST_THREADS`): while a batch runs,
         # the last one's results are written and its task acknowledged, so the device does not wait for that.
-        self.device = threading.Semaphore(backend.slots)
+        self.device = Device(backend.slots)
 
     def drain(self) -> None:
         """A graceful stop began: batches not started from now on are handed back, unstarted, to the batchers."""
@@ -165,15 +200,21 @@ class BatchRunner:
             self.announce(BatchEvent(self.worker_id, batch.id, "finished", run_ms, tokens))
 
     def _run(self, batch: Batch) -> dict[str, Any]:
+        idle_s = self.device.idle_s()  # how late this batch came (0: the device is busy; it will wait for it)
+        # Items another batch already answered: a batcher cut off from the broker sends, when its link comes
+        # back, a batch its standby had re-formed and run meanwhile. Running them again would only cost the device.
+        # Looked up before the device is free, while the last batch still runs: one Redis round trip less between
+        # two runs (an item answered in between is run twice, and its caller still gets one answer).
+        answered = self._until_settled(batch, lambda: self.writer.answered([i.id for i in batch.items])) or set()
         # The device is taken before the claim: a batch claimed here is one running (if this process dies, whoever
         # takes the batch back blames it), never one waiting for the device.
         device = _Held(self.device)
         try:
-            return self._claimed(batch, device)
+            return self._claimed(batch, device, answered, idle_s)
         finally:
             device.release()
 
-    def _claimed(self, batch: Batch, device: _Held) -> dict[str, Any]:
+    def _claimed(self, batch: Batch, device: _Held, answered: set[str], idle_s: float | None) -> dict[str, Any]:
         summary: dict[str, Any] = {"batch_id": batch.id, "size": len(batch.items)}
         if self.draining.is_set():
             log.info("batch %s: stopping; handing it back unstarted", batch.id, extra={"batch_id": batch.id})
@@ -194,11 +235,12 @@ class BatchRunner:
             return {**summary, "given_back": "died"}
         self._running.add(batch.id)
         try:
-            return self._execute(batch, summary, device)
+            return self._execute(batch, summary, device, answered, idle_s)
         finally:
             self._running.discard(batch.id)
 
-    def _execute(self, batch: Batch, summary: dict[str, Any], device: _Held) -> dict[str, Any]:
+    def _execute(self, batch: Batch, summary: dict[str, Any], device: _Held, answered: set[str],
+                 idle_s: float | None) -> dict[str, Any]:
         # Items whose caller will be gone before this batch can finish are not worth running.
         horizon = self.state.clock() + self.state.batch_ms_estimate / 1000
         live = tuple(i for i in batch.items if i.deadline > horizon)
@@ -206,14 +248,12 @@ class BatchRunner:
         if expired:
             self.record(ItemsOutcome(batch.model, expired, "expired", "deadline passed before the batch ran",
                                      batch.id))
-        # Items another batch already answered: a batcher cut off from the broker sends, when its link comes
-        # back, a batch its standby had re-formed and run meanwhile. Running them again would only cost the device.
-        answered = self._until_settled(batch, lambda: self.writer.answered([i.id for i in live])) if live else set()
+        answered = {i.id for i in live if i.id in answered}
         if answered:
             log.info("batch %s: %d item(s) already answered by another batch; not running them", batch.id,
                      len(answered), extra={"batch_id": batch.id})
             live = tuple(i for i in live if i.id not in answered)
-        summary.update(size=len(live), dropped_expired=len(expired), already_answered=len(answered or ()))
+        summary.update(size=len(live), dropped_expired=len(expired), already_answered=len(answered))
         if not live:
             self._until_settled(batch, lambda: self.writer.mark_done(self.claims.key(batch.id)))
             return summary
@@ -223,7 +263,8 @@ class BatchRunner:
             started_at = self.state.clock()
             t0 = time.monotonic()
             self.state.started(started_at)
-            self.announce(BatchEvent(self.worker_id, batch.id, "started"))
+            self.announce(BatchEvent(self.worker_id, batch.id, "started", at=started_at,
+                                     idle_ms=None if idle_s is None else round(idle_s * 1000, 3)))
             early: set[int] = set()  # positions answered as they finished, before the batch did
             try:
                 hooks = self._hooks(live, batch.id, started_at, t0, early)

@@ -217,7 +217,7 @@ DOCS: dict[str, str] = {
     "max_retries": "Times a request is sent again after its worker was lost before running it; then it fails (503).",
     "store_inputs": "Keep each input's text in the ledger (needed by `llmb-admin replay` and `requeue`).",
     "ledger_buffer": "Ledger records a process keeps while the database is unreachable; beyond that they are dropped and counted.",
-    "dispatch_lead_ms": "A busy worker's next batch is sent this long before its running batch should end; until then it keeps filling.",
+    "dispatch_lead_ms": "A busy worker's next batch is sent this long before its running batch should end (until then it keeps filling); the starting value: each batcher learns each worker's lead from the hand-overs that came late.",
     "files_dir": "Batch API: folder holding uploaded input files and the output and error files of batch jobs (every API process and `llmb-jobs` must see the same folder: a shared volume across hosts).",
     "max_file_bytes": "Batch API: largest file `POST /v1/files` takes (bigger: 413).",
     "jobs_max_lines": "Batch API: most lines (requests) in one batch's input file.",

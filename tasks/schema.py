@@ -188,6 +188,8 @@ class BatchEvent:
     event: str  # "started" or "finished"
     run_ms: float | None = None
     tokens: dict[str, int] | None = None  # finished: prompt + completion tokens its items took, by tenant
+    at: float | None = None  # when it happened, epoch seconds on the worker's clock (None from older workers)
+    idle_ms: float | None = None  # started: how long the device had been free when this batch reached the worker
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -197,7 +199,9 @@ class BatchEvent:
         event = str(d["event"])
         if event not in ("started", "finished"):
             raise ValueError(f"unknown batch event {event!r}")
-        run_ms, tokens = d.get("run_ms"), d.get("tokens")
+        run_ms, tokens, at, idle_ms = d.get("run_ms"), d.get("tokens"), d.get("at"), d.get("idle_ms")
         return cls(worker=str(d["worker"]), batch_id=str(d["batch_id"]), event=event,
                    run_ms=None if run_ms is None else float(run_ms),  # type: ignore[arg-type]
-                   tokens={str(k): int(v) for k, v in tokens.items()} if isinstance(tokens, dict) else None)
+                   tokens={str(k): int(v) for k, v in tokens.items()} if isinstance(tokens, dict) else None,
+                   at=float(at) if isinstance(at, (int, float)) else None,
+                   idle_ms=float(idle_ms) if isinstance(idle_ms, (int, float)) else None)

@@ -162,6 +162,34 @@ def test_the_waiting_batch_keeps_filling_until_the_running_one_is_nearly_done() 
     assert [len(b.items) for b, _ in h.sent] == [1, 40]
 
 
+def test_a_started_announcement_counts_from_when_the_batch_started_not_when_it_arrived() -> None:
+    h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=2)
+    h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)
+    h.submit("first")
+    h.clock.t += 0.020
+    h.batcher.poll()
+    started = h.clock.t
+    h.clock.t += 0.030  # the announcement took 30 ms to get here (a saturated host)
+    h.batcher.started("w0", h.sent[0][0].id, at=started)
+    h.submit("next")
+    h.clock.t = started + 0.250 - 0.015  # the lead before the batch's real end
+    h.batcher.poll()
+    assert [len(b.items) for b, _ in h.sent] == [1, 1], "dated by its arrival, it would go out 30 ms late"
+
+
+def test_an_announcement_dated_far_back_is_believed_only_so_far() -> None:
+    h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=2)
+    h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)
+    h.submit("first")
+    h.clock.t += 0.020
+    h.batcher.poll()
+    h.batcher.started("w0", h.sent[0][0].id, at=h.clock.t - 60)  # a clock that jumped
+    h.submit("next")
+    h.clock.t += 0.050
+    h.batcher.poll()
+    assert len(h.sent) == 1, "a running batch must not look finished from a wrong date"
+
+
 def test_batches_spread_over_workers_by_outstanding_work() -> None:
     h = Harness(size=1, workers=2, max_outstanding=2)
     for i in range(4):

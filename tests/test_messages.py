@@ -25,3 +25,12 @@ def test_a_message_carries_the_calls_of_a_round_and_the_one_call_body_still_read
 def test_a_malformed_message_is_a_value_error(body: bytes) -> None:
     with pytest.raises(ValueError):
         requests_of(body)
+
+
+def test_a_batch_event_carries_when_it_happened_and_older_workers_events_still_read() -> None:
+    from tasks.schema import BatchEvent
+
+    event = BatchEvent("gpu0@h", "b1", "started", at=1_700_000_000.25, idle_ms=12.5)
+    assert BatchEvent.from_dict(json.loads(json.dumps(event.to_dict()))) == event
+    old = BatchEvent.from_dict({"worker": "gpu0@h", "batch_id": "b1", "event": "started"})
+    assert old.at is None and old.idle_ms is None

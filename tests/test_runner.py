@@ -13,6 +13,7 @@ import pytest
 import redis
 
 from gpu_worker.runner import BatchRunner, WorkerState
+from gpu_worker.runner import Device as Slots
 from tasks.schema import Batch, BatchItem
 from tasks.state.claims import Claims
 from tasks.state.results import ResultWriter
@@ -95,3 +96,27 @@ def test_the_next_batch_runs_while_the_last_ones_results_are_written_never_two_o
     for b in (first, second):
         assert client.get(f"{prefix}:result:{b.items[0].id}") is not None
         assert ("started", b.id) in events and ("finished", b.id) in events
+
+
+def test_a_batch_that_finds_the_device_free_says_how_long_it_sat_idle(prefix: str) -> None:
+    client = redis.Redis.from_url(REDIS_URL)
+    events: list[Any] = []
+    runner = BatchRunner(Device(), ResultWriter(client, lambda item_id: f"{prefix}:result:{item_id}", 60),
+                         "gpu0@test", WorkerState(), announce=events.append,
+                         claims=Claims(client, f"{prefix}:claims"), give_back=lambda *a: None,
+                         record=lambda event: None)
+    runner.run(batch("first"))
+    time.sleep(0.1)  # nothing for the device meanwhile: the next batch came (at least) 100 ms late
+    runner.run(batch("second"))
+    started = [e for e in events if e.event == "started"]
+    assert len(started) == 2 and started[1].idle_ms >= 100 and started[1].at is not None
+    assert all(e.idle_ms is None for e in events if e.event == "finished")
+
+
+def test_the_device_is_idle_only_while_a_slot_is_free() -> None:
+    one = Slots(1)
+    one.acquire()
+    assert one.idle_s() == 0.0  # a batch arriving now waits for the device: on time
+    one.release()
+    assert one.idle_s() is not None and one.idle_s() >= 0.0
+    assert Slots(2).idle_s() is None  # with several slots a free one is no news

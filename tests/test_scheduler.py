@@ -154,3 +154,51 @@ def test_equal_backlogs_go_to_the_worker_with_the_most_kv_room() -> None:
     s.sent("b", "b1", now=0.0, tokens=1000)
     choice = s.choose([a, b], "lm", now=0.0)
     assert choice.worker is b and choice.kv_room == 9000
+
+
+def _hand_over(s: Scheduler, n: int, idle_s: float) -> None:
+    """Batch ``n`` ran; batch ``n + 1``, sent while it ran, started after the device had sat free ``idle_s``."""
+    s.sent("a", str(n + 1), now=n + 0.5)
+    s.finished("a", str(n), run_s=0.25)
+    s.started("a", str(n + 1), now=n + 1.0, idle_s=idle_s)
+
+
+def test_late_hand_overs_lengthen_the_lead_and_timely_ones_shorten_it() -> None:
+    s = Scheduler(lead_s=0.015, lead_step_s=0.005, late_share=0.1)
+    a = worker("a", batch_ms=250)
+    s.sent("a", "0", now=0.0)
+    s.started("a", "0", now=0.0)
+    for n in range(4):  # the device sat free 20 ms before each batch came: the batcher runs late here
+        _hand_over(s, n, idle_s=0.020)
+    assert s.lead(a) == pytest.approx(0.015 + 4 * 0.0045)
+    for n in range(4, 8):  # each came while the device was busy: on time
+        _hand_over(s, n, idle_s=0.0)
+    assert s.lead(a) == pytest.approx(0.015 + 4 * 0.0045 - 4 * 0.0005)
+    for n in range(8, 200):  # always on time: down to the floor, never below
+        _hand_over(s, n, idle_s=0.0)
+    assert s.lead(a) == pytest.approx(0.002)
+
+
+def test_the_learnt_lead_stays_within_a_quarter_of_the_batch() -> None:
+    s = Scheduler(lead_s=0.015)
+    a = worker("a", batch_ms=40)
+    s.sent("a", "0", now=0.0)
+    s.started("a", "0", now=0.0)
+    for n in range(100):
+        s.sent("a", str(n + 1), now=n + 0.5)
+        s.finished("a", str(n), run_s=0.04)
+        s.started("a", str(n + 1), now=n + 1.0, idle_s=0.5)
+    assert s.lead(a) == pytest.approx(0.010)
+
+
+def test_only_a_batch_sent_while_the_worker_was_busy_times_the_hand_over() -> None:
+    s = Scheduler(lead_s=0.015)
+    a = worker("a", batch_ms=250)
+    s.sent("a", "1", now=0.0)  # the worker was idle: the device waited for items, not for the batcher
+    s.started("a", "1", now=0.0, idle_s=3.0)
+    s.finished("a", "1", run_s=0.25)
+    s.sent("a", "2", now=1.0)
+    s.started("a", "2", now=1.0, idle_s=0.7)
+    assert s.lead(a) == pytest.approx(0.015)
+    s.started("a", "2", now=1.0, idle_s=None)  # an older worker measures nothing
+    assert s.lead(a) == pytest.approx(0.015)

@@ -131,7 +131,8 @@ class BatchingStep(bootsteps.ConsumerStep):
             log.warning("ignoring malformed fleet announcement")
             return
         if event.event == "started":
-            self._arm(self.batcher.started(event.worker, event.batch_id))
+            idle_s = None if event.idle_ms is None else event.idle_ms / 1000
+            self._arm(self.batcher.started(event.worker, event.batch_id, event.at, idle_s))
         else:
             run_s = None if event.run_ms is None else event.run_ms / 1000
             self._arm(self.batcher.finished(event.worker, event.batch_id, run_s, event.tokens))

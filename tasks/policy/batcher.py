@@ -32,6 +32,11 @@ from tasks.schema import Batch, BatchItem, Failure, InferenceRequest, WorkerInfo
 
 log = logging.getLogger(__name__)
 
+# How old a worker's "started" announcement is believed to be, at most: the shared clock is good to a millisecond,
+# but a clock that jumped must not make a running batch look finished (the next one would go out at once and wait,
+# frozen small, at the worker).
+EVENT_AGE_LIMIT_S = 0.1
+
 Dispatch = Callable[[Batch, WorkerInfo], None]
 
 
@@ -226,9 +231,17 @@ class Batcher:
         self.in_flight[batch.id] = (worker.id, batch, now)
         return True
 
-    def started(self, worker_id: str, batch_id: str) -> float | None:
-        """A worker started a batch: its backlog estimate is now exact. Returns poll()'s delay."""
-        self.scheduler.started(worker_id, batch_id, self.clock())
+    def started(self, worker_id: str, batch_id: str, at: float | None = None,
+                idle_s: float | None = None) -> float | None:
+        """A worker started a batch: its backlog estimate is now exact. Returns poll()'s delay.
+
+        ``at``: when it started, on the shared wall clock. The announcement takes a few ms to get here, tens on
+        a saturated host; dated by its arrival, the next batch would be handed over that much late, with the
+        device idle meanwhile. How far back it is believed is bounded (:data:`EVENT_AGE_LIMIT_S`). ``idle_s``:
+        how long the device sat free before the batch reached it (the scheduler learns its lead from it)."""
+        now = self.clock()
+        age = 0.0 if at is None else min(EVENT_AGE_LIMIT_S, max(0.0, self.wallclock() - at))
+        self.scheduler.started(worker_id, batch_id, now - age, idle_s)
         return self.retry_held()
 
     def finished(self, worker_id: str, batch_id: str, run_s: float | None = None,

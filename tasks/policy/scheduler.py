@@ -10,11 +10,18 @@ batches.
 Two limits keep batches large without letting a device idle:
 
 - at most ``max_outstanding`` batches per worker (default 2: one running, the next waiting);
-- a batch is handed to a busy worker only when that worker's backlog is within the lead: ``lead_s`` (the
-  time a hand-over takes), or a quarter of the worker's batch time if that is shorter (a 20 ms model must
-  not receive its next batch 15 ms early, frozen at whatever arrived by then). Until then the batch stays
-  in the batcher and keeps filling: waiting behind a busy device costs the items nothing, and they are
-  better off in a larger batch than in a small one frozen early.
+- a batch is handed to a busy worker only when that worker's backlog is within the lead: the time a
+  hand-over takes, capped at a quarter of the worker's batch time (a 20 ms model must not receive its next
+  batch 15 ms early, frozen at whatever arrived by then). Until then the batch stays in the batcher and keeps
+  filling: waiting behind a busy device costs the items nothing, and they are better off in a larger batch
+  than in a small one frozen early.
+
+The lead is learnt per worker, starting from ``lead_s``. A worker says, as it starts a batch that was sent
+while it was busy, how long its device had sat free before that batch reached it (``idle_s``). A hand-over
+that came late lengthens the lead; one on time shortens it a little, so that about ``late_share`` of the
+hand-overs come late (a quantile tracker). On an idle host that settles at a few ms (the items of the last ms
+still make the batch); on a saturated one, where the batcher and the broker run late, it grows to what the
+hand-over really takes there, instead of leaving the device idle for it between every two batches.
 
 For a generation model whose workers advertise a KV cache (``kv_tokens``, the real limit on how many
 sequences a device holds), the scheduler also counts each worker's *KV room*: its budget less the estimated
@@ -44,6 +51,8 @@ class _Track:
     running_since: float = 0.0
     batch_s: float | None = None  # moving average of run time
     last_sent: float = 0.0
+    lead_s: float | None = None  # learnt lead (None: the configured one)
+    behind: set[str] = field(default_factory=set)  # batches sent while it was busy: their hand-over is timed
 
 
 @dataclass(frozen=True)
@@ -55,11 +64,18 @@ class Choice:
 
 class Scheduler:
     def __init__(self, max_outstanding: int = 2, lead_s: float = 0.015, forget_after_s: float = 60.0,
-                 ema_alpha: float = 0.3, reconcile_margin_s: float = 1.0) -> None:
+                 ema_alpha: float = 0.3, reconcile_margin_s: float = 1.0, *, min_lead_s: float = 0.002,
+                 lead_step_s: float = 0.005, late_share: float = 0.1, late_after_s: float = 0.001) -> None:
         if max_outstanding < 1:
             raise ValueError("max_outstanding must be at least 1")
+        if not 0 < late_share < 1:
+            raise ValueError("late_share must be between 0 and 1")
         self.max_outstanding = max_outstanding
         self.lead_s = lead_s
+        self.min_lead_s = min(min_lead_s, lead_s)
+        self.lead_step_s = lead_step_s
+        self.late_share = late_share
+        self.late_after_s = late_after_s  # a device free this long before its batch came: a late hand-over
         self.forget_after_s = forget_after_s
         self.reconcile_margin_s = reconcile_margin_s  # how far two hosts' clocks may disagree
         self.alpha = ema_alpha
@@ -79,8 +95,21 @@ class Scheduler:
 
     def lead(self, worker: WorkerInfo) -> float:
         """How long before a busy worker could start another batch that batch is handed to it."""
+        learnt = self._track(worker.id).lead_s
+        lead = self.lead_s if learnt is None else learnt
         est = self.batch_s(worker)
-        return min(self.lead_s, est / 4) if est > 0 else self.lead_s
+        return min(lead, est / 4) if est > 0 else lead
+
+    def _learn_lead(self, track: _Track, idle_s: float) -> None:
+        """One timed hand-over: late ones lengthen the lead, others shorten it (``late_share`` come late)."""
+        lead = self.lead_s if track.lead_s is None else track.lead_s
+        if idle_s > self.late_after_s:
+            lead += self.lead_step_s * (1 - self.late_share)
+        else:
+            lead -= self.lead_step_s * self.late_share
+        est = track.batch_s
+        ceiling = est / 4 if est else self.lead_s * 4
+        track.lead_s = min(max(lead, self.min_lead_s), max(ceiling, self.min_lead_s))
 
     def outstanding(self, worker_id: str, now: float) -> int:
         track = self._track(worker_id)
@@ -100,6 +129,7 @@ class Scheduler:
     def _forget(track: _Track, batch_id: str) -> None:
         track.outstanding.pop(batch_id, None)
         track.tokens.pop(batch_id, None)
+        track.behind.discard(batch_id)
         if track.running == batch_id:
             track.running = None
 
@@ -151,15 +181,22 @@ class Scheduler:
     def sent(self, worker_id: str, batch_id: str, now: float, tokens: int = 0) -> None:
         """A batch went to ``worker_id``; ``tokens``: its estimated KV footprint (0 for a non-generation one)."""
         track = self._track(worker_id)
+        if track.outstanding:
+            track.behind.add(batch_id)
         track.outstanding[batch_id] = now
         if tokens:
             track.tokens[batch_id] = tokens
         track.last_sent = now
 
-    def started(self, worker_id: str, batch_id: str, now: float) -> None:
+    def started(self, worker_id: str, batch_id: str, now: float, idle_s: float | None = None) -> None:
+        """A batch started at ``now``; ``idle_s``: how long the device had been free when it reached the worker
+        (None: not measured)."""
         track = self._track(worker_id)
         if batch_id in track.outstanding:
             track.running, track.running_since = batch_id, now
+            if batch_id in track.behind and idle_s is not None:
+                track.behind.discard(batch_id)
+                self._learn_lead(track, idle_s)
 
     def finished(self, worker_id: str, batch_id: str, run_s: float | None = None) -> bool:
         """Record a finished batch; True if it freed a slot this scheduler was counting."""
