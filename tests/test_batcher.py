@@ -162,12 +162,17 @@ def test_the_waiting_batch_keeps_filling_until_the_running_one_is_nearly_done() 
     assert [len(b.items) for b, _ in h.sent] == [1, 40]
 
 
-def test_a_started_announcement_counts_from_when_the_batch_started_not_when_it_arrived() -> None:
+def one_batch_sent_to_a_250_ms_worker() -> Harness:
     h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=2)
     h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)
     h.submit("first")
     h.clock.t += 0.020
     h.batcher.poll()
+    return h
+
+
+def test_a_started_announcement_counts_from_when_the_batch_started_not_when_it_arrived() -> None:
+    h = one_batch_sent_to_a_250_ms_worker()
     started = h.clock.t
     h.clock.t += 0.030  # the announcement took 30 ms to get here (a saturated host)
     h.batcher.started("w0", h.sent[0][0].id, at=started)
@@ -178,11 +183,7 @@ def test_a_started_announcement_counts_from_when_the_batch_started_not_when_it_a
 
 
 def test_an_announcement_dated_far_back_is_believed_only_so_far() -> None:
-    h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=2)
-    h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)
-    h.submit("first")
-    h.clock.t += 0.020
-    h.batcher.poll()
+    h = one_batch_sent_to_a_250_ms_worker()
     h.batcher.started("w0", h.sent[0][0].id, at=h.clock.t - 60)  # a clock that jumped
     h.submit("next")
     h.clock.t += 0.050
