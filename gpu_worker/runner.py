@@ -205,7 +205,9 @@ class BatchRunner:
         # back, a batch its standby had re-formed and run meanwhile. Running them again would only cost the device.
         # Looked up before the device is free, while the last batch still runs: one Redis round trip less between
         # two runs (an item answered in between is run twice, and its caller still gets one answer).
-        answered = self._until_settled(batch, lambda: self.writer.answered([i.id for i in batch.items])) or set()
+        answered = self._until_settled(batch, lambda: self.writer.answered([i.id for i in batch.items]))
+        if answered is None:  # Redis was away past every caller's deadline (recorded as expired): nothing to run
+            return {"batch_id": batch.id, "size": len(batch.items), "dropped_expired": len(batch.items)}
         # The device is taken before the claim: a batch claimed here is one running (if this process dies, whoever
         # takes the batch back blames it), never one waiting for the device.
         device = _Held(self.device)
