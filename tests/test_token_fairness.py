@@ -50,7 +50,7 @@ def test_long_and_short_prompt_tenants_get_token_throughput_within_ten_percent(t
         wait_for(lambda: s.tenant_inflight("long") > 0 and s.tenant_inflight("short") > 0, 30,
                  "both tenants backlogged")
         measuring.set()
-        wait_for(lambda: calls["long"] >= 100 and calls["short"] >= 40, 60, "enough answers of both tenants")
+        wait_for(lambda: calls["long"] >= 200 and calls["short"] >= 80, 120, "enough answers of both tenants")
         stop.set()
         for t in threads:
             t.join(timeout=60)
