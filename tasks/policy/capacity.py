@@ -24,9 +24,9 @@ def throughput(workers: Sequence[WorkerInfo]) -> float:
     return sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in workers if w.batch_ms_estimate > 0)
 
 
-# The share of the queue beyond one batch per worker that may be filled. The throughput below is the batch rate of
+# The share of the queue beyond one batch per worker that may be filled. :func:`throughput` is the batch rate of
 # the workers' measured run times, which a fleet under overload does not quite reach (the gaps between batches;
-# ~90% busy measured on a saturated 2-core host), and an answer still has to get back through an API process
+# 90-97% busy measured on a saturated 2-core host), and an answer still has to get back through an API process
 # that may be short of CPU itself. Filling all of it (1.0), one 250 ms worker's full queue was answered 4.5-5 s
 # after admission against a 4.5 s deadline: 504s and answers after the client's deadline. (A share of the whole,
 # not of the part beyond the running batches, refused calls at 90% load on 2 workers x 1 s batches.)
