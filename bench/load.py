@@ -15,6 +15,7 @@ monkey.patch_all()
 
 import argparse  # noqa: E402
 import collections  # noqa: E402
+import gc  # noqa: E402
 import http.client  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
@@ -131,6 +132,9 @@ def main() -> None:
     ap.add_argument("--poison-marker", default="__raise_here__")
     ap.add_argument("--out", help="write the summary and every request's record here (JSON)")
     args = ap.parse_args()
+    # A run lasts seconds: its garbage waits for the exit, so that no collection pauses the clock of every
+    # request in flight (measured: 20-40 ms full collections in a 300% run, all counted as the system's latency).
+    gc.disable()
     result = run(args.url, args.rate, args.duration, args.timeout_ms, seed=args.seed, tenant=args.tenant,
                  poison_every=args.poison_every, poison_marker=args.poison_marker, key=args.key,
                  priority=args.priority, client_timeout_ms=args.client_timeout_ms)

@@ -56,6 +56,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.broker.queues import recovery_queue
     from tasks.config import Settings
+    from tasks.heap import settle
     from tasks.logs import setup_logging
     from tasks.state.claims import Claims
     from tasks.state.clock import SharedClock
@@ -103,6 +104,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     @signals.worker_ready.connect
     def _sigterm_once(**_: object) -> None:  # Celery's handlers are installed by now
         hear_sigterm_once()
+        settle()  # the model is loaded and the consumer started: out of the garbage collector's full collections
 
     @signals.worker_shutting_down.connect
     def _begin_drain(**_: object) -> None:

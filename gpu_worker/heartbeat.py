@@ -6,6 +6,7 @@ exactly the one whose state the scheduler needs.
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -111,22 +112,31 @@ class Announcer:
     """Publishes this worker's batch events to every batcher (the scheduler's start/finish signal).
 
     Never raises: a lost announcement only delays the scheduler, which forgets unheard batches in time. So
-    announcements go on a connection of their own *without* publisher confirms: the "started" one is on the
-    path from a batch's arrival to its run, and a confirm would add a broker round trip to every batch.
+    announcements go on a connection of their own *without* publisher confirms, and from a thread of their own,
+    in the order they were made: the "started" one is made between the device's claim and its run, where
+    publishing it took 0.4 ms (p50) to 3 ms (p90) of every batch's device time (measured at 150% load on a
+    saturated host). Its timing does not suffer: the event carries the shared-clock time of the start.
     """
 
     def __init__(self, broker_url: str, namespace: str) -> None:
         self.connection = Connection(broker_url, connect_timeout=2)
         self.exchange = fleet_exchange(namespace)
-        self._lock = threading.Lock()
+        self._events: queue.SimpleQueue[BatchEvent] = queue.SimpleQueue()
+        threading.Thread(target=self._publish_all, name="announcer", daemon=True).start()
 
     def __call__(self, event: BatchEvent) -> None:
+        self._events.put(event)
+
+    def _publish_all(self) -> None:
+        while True:
+            self._publish(self._events.get())
+
+    def _publish(self, event: BatchEvent) -> None:
         try:
-            with self._lock:
-                producer = self.connection.Producer()
-                self.connection.ensure(producer, producer.publish, **RETRY_POLICY)(
-                    event.to_dict(), exchange=self.exchange, routing_key="", declare=[self.exchange],
-                    serializer="json")
+            producer = self.connection.Producer()
+            self.connection.ensure(producer, producer.publish, **RETRY_POLICY)(
+                event.to_dict(), exchange=self.exchange, routing_key="", declare=[self.exchange],
+                serializer="json")
         except Exception as exc:
             log.warning("could not announce %s of batch %s: %s", event.event, event.batch_id, exc)
 

@@ -1,17 +1,25 @@
 """The door at accept: a request on a just-accepted connection refused from the bytes already arrived, while the
-process is behind (a socket pair for the connection, a gate whose expected wait the test sets)."""
+process is behind (a socket pair for the connection, a gate whose expected wait the test sets), or while the
+gateway holds a FULL verdict for its model and class (a stand-in for the gateway's verdicts, the real tenant
+directory on SQLite)."""
 from __future__ import annotations
 
 import json
 import socket
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tasks.config import Settings
+from tasks.errors import QueueFull
+from tasks.schema import Priority
+from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
+from tasks.store.tenants import KeyStore, TenantDirectory
 from webapp import worker
 from webapp.app import is_inference
-from webapp.door import AcceptDoor, Door
+from webapp.door import AcceptDoor, Door, HeldFull
 
 
 class Gate:
@@ -36,10 +44,12 @@ def behind() -> Iterator[None]:
     worker._unstarted.pop(token, None)
 
 
-def request(body: dict[str, object], *, tenant: str | None = None, cut: int = 0) -> bytes:
+def request(body: dict[str, object], *, tenant: str | None = None, cut: int = 0, path: str = "/v1/infer",
+            headers: dict[str, str] | None = None) -> bytes:
     payload = json.dumps(body).encode()
     extra = f"X-Tenant: {tenant}\r\n" if tenant else ""
-    head = (f"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Type: application/json\r\nX-Request-Id: caller-7\r\n"
+    extra += "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"POST {path} HTTP/1.1\r\nHost: api\r\nContent-Type: application/json\r\nX-Request-Id: caller-7\r\n"
             f"{extra}Content-Length: {len(payload)}\r\n\r\n").encode()
     return (head + payload)[:len(head) + len(payload) - cut]
 
@@ -92,3 +102,96 @@ def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_
     assert not accept(light)  # ...does not get a light one refused
     _, in_body = connection(request({"input": "hello", "tenant": "flood"}))
     assert accept(in_body)
+
+
+class Verdicts:
+    """Stands in for the gateway's held FULL verdicts: (model, class) -> the refusal it holds."""
+
+    def __init__(self) -> None:
+        self.held: dict[tuple[str, Priority], QueueFull] = {}
+
+    def holds_full(self) -> bool:
+        return bool(self.held)
+
+    def held_full(self, model: str, priority: Priority) -> QueueFull | None:
+        return self.held.get((model, priority))
+
+
+@pytest.fixture
+def tenants(tmp_path: Path) -> tuple[KeyStore, TenantDirectory]:
+    url = f"sqlite:///{tmp_path / 'keys.db'}"
+    Base.metadata.create_all(make_engine(url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
+    store = KeyStore(make_engine(url))
+    return store, TenantDirectory(store, ttl_s=60.0)
+
+
+def held_door(verdicts: Verdicts, directory: TenantDirectory, auth: str = "none") -> AcceptDoor:
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0)
+    held = HeldFull(verdicts, directory, Settings(auth=auth))  # type: ignore[arg-type]
+    return AcceptDoor(door, is_inference, held)
+
+
+def test_a_call_the_gateway_holds_a_full_verdict_for_is_refused_at_accept_with_that_verdict(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    store, directory = tenants
+    verdicts = Verdicts()
+    accept = held_door(verdicts, directory)
+    _, idle = connection(request({"input": "hello"}))
+    assert not accept(idle)  # no verdict held: the request is not even looked at
+    verdicts.held["sim", Priority.INTERACTIVE] = QueueFull("the service is full", retry_after_s=4)
+    _, unknown = connection(request({"input": "hello"}))
+    assert not accept(unknown)  # the default tenant's class is not known without a query yet: the usual way
+    directory.policy("default")
+    client, server = connection(request({"input": "hello"}))
+    assert accept(server)
+    server.close()
+    status, headers, body = answer(client)
+    assert status == "HTTP/1.1 429 Too Many Requests" and headers["Retry-After"] == "4"
+    error = body["error"]
+    assert isinstance(error, dict) and error["type"] == "queue_full" and error["message"] == "the service is full"
+    assert accept.door.callers.recent("") == 1  # counted as an arrival, as the gateway's refusal would be
+
+    client, server = connection(request({"model": "sim", "messages": []}, path="/v1/chat/completions"))
+    assert accept(server)  # the OpenAI shape: the same verdict
+    server.close()
+    assert answer(client)[2]["error"]["code"] == "queue_full"  # type: ignore[index]
+
+
+def test_calls_of_another_model_or_class_and_idempotent_retries_go_the_usual_way(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    store, directory = tenants
+    verdicts = Verdicts()
+    verdicts.held["sim", Priority.INTERACTIVE] = QueueFull("full", retry_after_s=2)
+    accept = held_door(verdicts, directory)
+    store.set_tenant("nightly", priority="offline")
+    for tenant in ("default", "nightly"):
+        directory.policy(tenant)
+    for data in (request({"input": "hello", "model": "other"}),
+                 request({"input": "hello", "priority": "offline"}),
+                 request({"input": "hello", "tenant": "nightly"}),  # its tenant is offline
+                 request({"input": "hello"}, tenant="nightly"),
+                 request({"input": "hello"}, headers={"Idempotency-Key": "k-1"}),  # may be answered from its first call
+                 request({"model": "sim", "prompt": "hi", "service_tier": "flex"}, path="/v1/completions"),
+                 request({"prompt": "hi"}, path="/v1/completions"),  # no model: its 400 comes the usual way
+                 b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 7\r\n\r\nnot json"):
+        _, server = connection(data)
+        assert not accept(server), data
+        assert server.recv(65536, socket.MSG_PEEK).startswith(b"POST")  # nothing taken off the socket
+    verdicts.held["sim", Priority.OFFLINE] = QueueFull("full", retry_after_s=2)
+    _, server = connection(request({"input": "hello"}, tenant="nightly"))
+    assert accept(server)
+
+
+def test_with_keys_only_a_key_already_looked_up_is_refused_at_accept(tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    store, directory = tenants
+    verdicts = Verdicts()
+    verdicts.held["sim", Priority.INTERACTIVE] = QueueFull("full", retry_after_s=2)
+    accept = held_door(verdicts, directory, auth="keys")
+    _, key = store.create_key("team-a")
+    directory.policy("default")  # without keys this would be known; with keys the key decides
+    for headers in ({}, {"Authorization": f"Bearer {key}"}, {"Authorization": "Bearer llmb_00000000_" + "x" * 20}):
+        _, server = connection(request({"input": "hello"}, headers=headers))
+        assert not accept(server)  # no key, or one not looked up yet: its 401 or admission comes the usual way
+    directory.principal(key)
+    _, server = connection(request({"input": "hello"}, headers={"Authorization": f"Bearer {key}"}))
+    assert accept(server)

@@ -28,7 +28,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "webapp", "gpu_worker")
-VOCABULARY = ("tasks.config", "tasks.errors", "tasks.schema", "tasks.logs")
+VOCABULARY = ("tasks.config", "tasks.errors", "tasks.schema", "tasks.logs", "tasks.heap")
 LAYERS = ("policy", "state", "store", "broker", "cli")  # the sub-packages of tasks
 HEAVY = ("redis", "kombu", "celery", "sqlalchemy", "flask", "amqp", "torch", "transformers", "prometheus_client")
 

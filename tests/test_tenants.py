@@ -338,6 +338,23 @@ def test_tenant_policies_are_cached_and_names_checked(sqlite_store: KeyStore) ->
         directory.policy("not a tenant")
 
 
+def test_the_class_a_caller_is_cached_with_is_known_without_a_query(sqlite_store: KeyStore) -> None:
+    clock = FakeClock()
+    directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
+    sqlite_store.set_tenant("batchy", priority="offline")
+    _, key = sqlite_store.create_key("batchy")
+    assert directory.cached_priority(None, "batchy") is None  # not looked up yet: not known
+    assert directory.cached_priority(key, "") is None
+    directory.policy("batchy")
+    directory.principal(key)
+    assert directory.cached_priority(None, "batchy") is Priority.OFFLINE
+    assert directory.cached_priority(key, "") is Priority.OFFLINE
+    assert directory.cached_priority(key + "x", "") is None  # another key is not this one
+    clock.t += 5
+    assert directory.cached_priority(None, "batchy") is None  # stale: the next call looks it up again
+    assert directory.cached_priority(key, "") is None
+
+
 # -- llmb-admin -----------------------------------------------------------------------------------------
 @pytest.fixture
 def sqlite_url(tmp_path: Path) -> str:

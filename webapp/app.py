@@ -18,7 +18,7 @@ from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
 from tasks.state.requests import Shape
 from webapp import admin_api, answers, batch_api, openai_api, requests_api, tenancy, worker
 from webapp.body import read_json
-from webapp.door import AcceptDoor, DoorMiddleware
+from webapp.door import AcceptDoor, DoorMiddleware, HeldFull
 from webapp.errors import register_error_handlers
 from webapp.services import EXTENSION, Services, services
 from webapp.validation import parse_infer, request_id_from
@@ -35,7 +35,8 @@ def create_app(settings: Settings | None = None) -> Flask:
     built = Services.from_settings(settings)  # the process's one set of clients, for every route
     app.extensions[EXTENSION] = built
     app.wsgi_app = DoorMiddleware(app.wsgi_app, built.door, is_inference)  # type: ignore[method-assign]
-    worker.at_accept = AcceptDoor(built.door, is_inference)  # the same door, before gunicorn parses a request
+    # the same door, and the gateway's held refusals, before gunicorn parses a request
+    worker.at_accept = AcceptDoor(built.door, is_inference, HeldFull(built.gateway, built.tenants, settings))
 
     @app.before_request
     def _correlate() -> None:

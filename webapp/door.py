@@ -26,6 +26,7 @@ from tasks.broker.gate import Gate
 from tasks.config import Settings
 from tasks.errors import Overloaded, QueueFull
 from tasks.policy.callers import RecentCallers
+from tasks.schema import Priority
 from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import NATIVE, OPENAI
 from webapp.validation import request_id_from
@@ -34,6 +35,9 @@ from webapp.worker import arrival, backlog
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
     from _typeshed.wsgi import WSGIApplication as WSGIApp
+
+    from tasks.broker.gateway import Gateway
+    from tasks.store.tenants import TenantDirectory
 
 
 def process_share(settings: Settings) -> int:
@@ -186,20 +190,26 @@ class AcceptDoor:
     all arrived yet, no Content-Length, chunked, not an inference call) goes the usual way, to be refused or let
     in by :class:`DoorMiddleware` with the same rules."""
 
-    def __init__(self, door: Door, is_inference: Callable[[str], bool]) -> None:
+    def __init__(self, door: Door, is_inference: Callable[[str], bool], held: HeldFull | None = None) -> None:
         self.door = door
         self.is_inference = is_inference
+        self.held = held
 
     def __call__(self, sock: socket.socket) -> bool:
-        """Refuse the request on this just-accepted connection if the door would (True: answered; the caller
-        closes the connection)."""
-        if not self.door.behind_at_accept():
+        """Refuse the request on this just-accepted connection if the door would, or the gateway would for want of
+        room (True: answered; the caller closes the connection)."""
+        behind = self.door.behind_at_accept()
+        if not behind and (self.held is None or not self.held.any()):
             return False
         request = _peek_request(sock)
         if request is None or not self.is_inference(request.path):
             return False
         caller = request.headers.get("authorization") or request.headers.get("x-tenant") or _tenant_of(request.body)
-        error = self.door.refusal_at_accept(caller)
+        error: QueueFull | None = None if self.held is None else self.held.refusal(request)
+        if error is not None:
+            self.door.callers.arrived(caller)  # counted as if it had entered, as the gateway's refusal would be
+        elif behind:
+            error = self.door.refusal_at_accept(caller)
         if error is None:
             return False
         headers, body = _refusal(error, request.path, request.headers.get("x-request-id"))
@@ -211,6 +221,55 @@ class AcceptDoor:
         except OSError:
             pass  # the caller is gone, or the response did not fit at once: it is closed all the same
         return True
+
+
+class HeldFull:
+    """The gateway's fresh FULL verdicts (:meth:`tasks.broker.gateway.Gateway.held_full`), applied at accept.
+
+    Under a flood most calls are refused for want of room, and for a few milliseconds after each such verdict the
+    gateway refuses every call of that model and class with it, after gunicorn, Flask, authentication and the
+    body's parsing have run (about half a millisecond each). Here the same refusal goes out from the request's
+    bytes when the door can tell its model and class without I/O: the model from the body (or the default), the
+    class from the body and the caller's tenant as the caches know it. A caller they do not know yet (a key not
+    looked up, a tenant not seen), a body that is not a small JSON object, or a retry with an Idempotency-Key
+    (it may be answered from its first call) goes the usual way."""
+
+    def __init__(self, gateway: Gateway, tenants: TenantDirectory, settings: Settings) -> None:
+        self.gateway = gateway
+        self.tenants = tenants
+        self.default_model = settings.default_model
+        self.keys = settings.auth != "none"
+
+    def any(self) -> bool:
+        return self.gateway.holds_full()
+
+    def refusal(self, request: _Peeked) -> QueueFull | None:
+        if "idempotency-key" in request.headers:
+            return None
+        try:
+            body = json.loads(request.body)
+        except ValueError:
+            return None
+        if not isinstance(body, dict):
+            return None
+        native = request.path == "/v1/infer"
+        model = body.get("model", self.default_model if native else None)
+        if not isinstance(model, str):
+            return None
+        if self.keys:
+            scheme, _, key = request.headers.get("authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not key.strip():
+                return None
+            known = self.tenants.cached_priority(key.strip(), "")
+        else:
+            named = request.headers.get("x-tenant") or "default"
+            tenant = body.get("tenant", named) if native else named
+            known = self.tenants.cached_priority(None, tenant) if isinstance(tenant, str) else None
+        if known is None:
+            return None
+        asked_offline = body.get("priority") == Priority.OFFLINE or (not native and body.get("service_tier") == "flex")
+        offline = asked_offline or known == Priority.OFFLINE
+        return self.gateway.held_full(model, Priority.OFFLINE if offline else Priority.INTERACTIVE)
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,12 @@ def on_starting(server: Any) -> None:
                            "is dropped by the kernel; raise it with sysctl", somaxconn, backlog)
 
 
+def post_worker_init(worker: Any) -> None:
+    from tasks.heap import settle
+
+    settle()  # the app is loaded: freeze it out of the garbage collector's full collections
+
+
 def child_exit(server: Any, worker: Any) -> None:
     from prometheus_client import multiprocess
 

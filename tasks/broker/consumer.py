@@ -18,13 +18,14 @@ from typing import Any
 
 import click
 import redis
-from celery import Celery, bootsteps
+from celery import Celery, bootsteps, signals
 from kombu import Consumer, Message, Queue
 
 from tasks.broker.celery_app import RUN_BATCH, make_celery, settings_of
 from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue, request_queue, requests_of
 from tasks.broker.recovery import Recovery
 from tasks.config import Settings
+from tasks.heap import settle
 from tasks.logs import setup_logging
 from tasks.policy.batcher import Batcher
 from tasks.policy.flush import FlushPolicy
@@ -209,6 +210,7 @@ def main(hostname: str | None) -> None:
     setup_logging(settings)
     app = make_celery(settings)
     app.steps["consumer"].add(BatchingStep)
+    signals.worker_ready.connect(lambda **_: settle(), weak=False)  # started: out of the collector's full passes
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={settings.batcher_queue}",
                      f"--hostname={hostname}", f"--loglevel={settings.log_level}", "--without-gossip",
                      "--without-mingle", "--task-events"])

@@ -500,9 +500,22 @@ class Gateway:
     def _still_full(self, call: Call) -> None:
         """Raise the QueueFull of the model's last FULL verdict while it is fresh (FULL_HOLD_S): the calls of a
         flood are then refused without waiting for a turn or asking Redis, in the time a batch drains a few items."""
-        held = self._full.get((call.model, call.priority))
-        if held is not None and time.monotonic() < held[0]:
-            raise QueueFull(held[1].message, retry_after_s=held[1].retry_after_s)
+        held = self.held_full(call.model, call.priority)
+        if held is not None:
+            raise held
+
+    def held_full(self, model: str, priority: Priority) -> QueueFull | None:
+        """The refusal a call of ``model`` in class ``priority`` gets now without asking Redis (None: ask): the
+        last FULL verdict for them, while it is fresh. Idempotent retries are not held (see :meth:`_enter`)."""
+        held = self._full.get((model, priority))
+        if held is None or time.monotonic() >= held[0]:
+            return None
+        return QueueFull(held[1].message, retry_after_s=held[1].retry_after_s)
+
+    def holds_full(self) -> bool:
+        """Whether any FULL verdict is fresh: the door looks for one at accept only then."""
+        now = time.monotonic()
+        return any(now < until for until, _ in self._full.values())
 
     def _turn(self) -> AbstractContextManager[Turn]:
         """A call's turn through admission (at once when the process has no gate)."""

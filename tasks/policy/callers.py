@@ -35,11 +35,15 @@ class RecentCallers:
         self._now[caller] = self._now.get(caller, 0) + 1
         self._total_now += 1
 
+    def recent(self, caller: str) -> int:
+        """The requests ``caller`` sent over the last one to two seconds."""
+        self._roll()
+        return self._now.get(caller, 0) + self._before.get(caller, 0)
+
     def light(self, caller: str) -> bool:
         """Whether ``caller`` sent well under an even share of the recent requests (several callers needed)."""
         self._roll()
         callers = len(self._now.keys() | self._before.keys())
         if callers < 2:
             return False
-        mine = self._now.get(caller, 0) + self._before.get(caller, 0)
-        return mine < LIGHT_FRACTION * (self._total_now + self._total_before) / callers
+        return self.recent(caller) < LIGHT_FRACTION * (self._total_now + self._total_before) / callers

@@ -419,6 +419,16 @@ class TenantDirectory:
     def _refused() -> Unauthorized:
         return Unauthorized(f"unknown or revoked API key: {HOW_TO_AUTH}")
 
+    def cached_priority(self, key: str | None, tenant: str) -> Priority | None:
+        """The priority class of a caller as far as the caches know it now, without a query (None: not known):
+        that of the tenant of API key ``key`` when one is given (only a key looked up and valid is known), else
+        that of ``tenant`` by name."""
+        if key is not None:
+            found = self._principals.fresh(hash_key(key))
+            return None if found is None else found.tenant.priority
+        policy = self._policies.fresh(tenant)
+        return None if policy is None else policy.priority
+
     def policy(self, tenant: str) -> TenantPolicy:
         """A tenant's policy by name (when authentication is off and the caller names its tenant)."""
         check_tenant_name(tenant)
