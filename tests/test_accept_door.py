@@ -173,7 +173,8 @@ def test_calls_of_another_model_or_class_and_idempotent_retries_go_the_usual_way
                  request({"input": "hello"}, headers={"Idempotency-Key": "k-1"}),  # may be answered from its first call
                  request({"model": "sim", "prompt": "hi", "service_tier": "flex"}, path="/v1/completions"),
                  request({"prompt": "hi"}, path="/v1/completions"),  # no model: its 400 comes the usual way
-                 b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 7\r\n\r\nnot json"):
+                 b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 8\r\n\r\nnot json",
+                 b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 10000\r\n\r\n" + b"[" * 5000 + b"]" * 5000):
         _, server = connection(data)
         assert not accept(server), data
         assert server.recv(65536, socket.MSG_PEEK).startswith(b"POST")  # nothing taken off the socket

@@ -248,7 +248,7 @@ class HeldFull:
             return None
         try:
             body = json.loads(request.body)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: its 400 comes later
             return None
         if not isinstance(body, dict):
             return None

@@ -20,6 +20,7 @@ an API process's CPU under load, measured with py-spy).
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
@@ -48,6 +49,17 @@ def backlog() -> tuple[int, float]:
     return len(_unstarted), 0.0 if oldest is None else time.monotonic() - oldest
 
 
+def _refused_at_accept(sock: Any) -> bool:
+    """Whether :data:`at_accept` answered the request on ``sock``; a defect of its own sends the request the usual
+    way (logged), never takes the connection down."""
+    assert at_accept is not None
+    try:
+        return at_accept(sock)
+    except Exception:
+        logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
+        return False
+
+
 class _TimedServer(StreamServer):
     """gevent's StreamServer, accepting in batches and stamping each connection with its accept time."""
 
@@ -55,7 +67,7 @@ class _TimedServer(StreamServer):
 
     def do_handle(self, *args: Any) -> None:
         accepted_at, handle = time.monotonic(), self._handle
-        if at_accept is not None and at_accept(args[0]):
+        if at_accept is not None and _refused_at_accept(args[0]):
             self.do_close(*args)
             return
 
