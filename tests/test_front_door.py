@@ -25,8 +25,10 @@ import requests
 from flask import Flask
 from flask.testing import FlaskClient
 
+from tasks.broker.gateway import FULL_HOLD_S
 from tasks.config import Settings
-from tasks.errors import InvalidInput
+from tasks.errors import InvalidInput, QueueFull
+from tasks.schema import Priority
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
 from tests.helpers import assert_json_error, expected, post
@@ -197,6 +199,20 @@ def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: 
         t.join(10)
     assert sorted(a.status_code for a in answers) == [400, 400]
     assert door.held == 0
+
+
+def test_a_full_verdict_is_held_for_a_moment_for_the_calls_of_its_model_and_class(app: Flask) -> None:
+    """After Redis says a model is full, its calls of that class are refused from memory (and at accept) for
+    FULL_HOLD_S, with the verdict's own Retry-After."""
+    gateway = services(app).gateway
+    full = QueueFull("the service is full", retry_after_s=2)
+    gateway._full["sim", Priority.INTERACTIVE] = (time.monotonic() + FULL_HOLD_S, full)
+    held = gateway.held_full("sim", Priority.INTERACTIVE)
+    assert gateway.holds_full() and held is not None and held.retry_after_s == 2
+    assert gateway.held_full("sim", Priority.OFFLINE) is None
+    assert gateway.held_full("other", Priority.INTERACTIVE) is None
+    gateway._full["sim", Priority.INTERACTIVE] = (time.monotonic() - 0.001, full)
+    assert not gateway.holds_full() and gateway.held_full("sim", Priority.INTERACTIVE) is None
 
 
 def _gunicorn_conf(**env: object) -> dict[str, int]:
