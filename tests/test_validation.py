@@ -7,7 +7,7 @@ from tasks.config import Settings
 from tasks.errors import Forbidden, InvalidInput
 from tasks.policy.tenancy import Principal, TenantPolicy
 from tasks.schema import Priority
-from webapp.validation import bind, parse_infer, request_id_from
+from webapp.validation import asks_offline, bind, parse_infer, priority_class, request_id_from
 
 S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000, offline_max_timeout_ms=9000)
 
@@ -68,6 +68,15 @@ def test_an_offline_tenant_cannot_ask_to_be_interactive() -> None:
     call = parse_infer({"input": "a", "priority": "interactive"}, S, "rid")
     call = bind(call, principal(priority=Priority.OFFLINE), S)
     assert call.priority == "offline"
+
+
+def test_what_asks_for_offline_and_which_class_a_call_gets() -> None:
+    assert asks_offline({"priority": "offline"}, openai=False) and asks_offline({"priority": "offline"}, openai=True)
+    assert asks_offline({"service_tier": "flex"}, openai=True)
+    assert not asks_offline({"service_tier": "flex"}, openai=False)  # an OpenAI word: not on /v1/infer
+    assert not asks_offline({"priority": "interactive"}, openai=True) and not asks_offline(["offline"], openai=True)
+    i, o = Priority.INTERACTIVE, Priority.OFFLINE
+    assert [priority_class(asked, tenant) for asked, tenant in ((i, i), (o, i), (i, o), (o, o))] == [i, o, o, o]
 
 
 def test_a_key_cannot_claim_another_tenant_but_without_keys_the_name_is_the_tenant() -> None:

@@ -29,7 +29,7 @@ from tasks.policy.callers import RecentCallers
 from tasks.schema import Priority
 from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import NATIVE, OPENAI
-from webapp.validation import request_id_from
+from webapp.validation import asks_offline, priority_class, request_id_from
 from webapp.worker import arrival, backlog
 
 if TYPE_CHECKING:
@@ -267,9 +267,8 @@ class HeldFull:
             known = self.tenants.cached_priority(None, tenant) if isinstance(tenant, str) else None
         if known is None:
             return None
-        asked_offline = body.get("priority") == Priority.OFFLINE or (not native and body.get("service_tier") == "flex")
-        offline = asked_offline or known == Priority.OFFLINE
-        return self.gateway.held_full(model, Priority.OFFLINE if offline else Priority.INTERACTIVE)
+        asked = Priority.OFFLINE if asks_offline(body, openai=not native) else Priority.INTERACTIVE
+        return self.gateway.held_full(model, priority_class(asked, known))
 
 
 @dataclass(frozen=True)

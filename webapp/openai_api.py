@@ -24,6 +24,7 @@ from webapp.body import read_json
 from webapp.errors import OPENAI, register_error_handlers
 from webapp.openai_schema import chunk, parse_chat, parse_completion, parse_embeddings
 from webapp.services import services
+from webapp.validation import asks_offline
 
 bp = Blueprint("openai", __name__)
 
@@ -51,10 +52,8 @@ def _parsed(parse: Callable[[Any, Settings, str, str], tuple[Call, T]]) -> tuple
 
 
 def _with_priority(call: Call, body: Any) -> Call:
-    """``service_tier: "flex"`` (or ``priority: "offline"``) asks for offline priority, as OpenAI's flex tier
-    trades latency for price."""
-    offline = isinstance(body, dict) and (body.get("service_tier") == "flex" or body.get("priority") == "offline")
-    return replace(call, priority=Priority.OFFLINE if offline else Priority.INTERACTIVE)
+    """The class the body asks for (:func:`webapp.validation.asks_offline`)."""
+    return replace(call, priority=Priority.OFFLINE if asks_offline(body, openai=True) else Priority.INTERACTIVE)
 
 
 def _run(call: Call, endpoint: str, shape: Shape) -> Answer:

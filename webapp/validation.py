@@ -78,6 +78,19 @@ def parse_priority(value: Any) -> Priority:
     return Priority(value)
 
 
+def asks_offline(body: Any, *, openai: bool) -> bool:
+    """Whether a body asks for offline priority: ``"priority": "offline"``, or on the OpenAI routes also
+    ``"service_tier": "flex"`` (OpenAI's flex tier trades latency for price)."""
+    return isinstance(body, dict) and (body.get("priority") == Priority.OFFLINE
+                                       or (openai and body.get("service_tier") == "flex"))
+
+
+def priority_class(asked: Priority, tenant_class: Priority) -> Priority:
+    """A call's class: offline when it asks for it or its tenant's class is offline (a tenant whose class is
+    offline cannot ask to be interactive)."""
+    return Priority.OFFLINE if Priority.OFFLINE in (asked, tenant_class) else Priority.INTERACTIVE
+
+
 def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant: str | None = None,
          received_at: float | None = None) -> Call:
     """Give a parsed call its tenant's weight, cap and priority class.
@@ -90,8 +103,7 @@ def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant
     if principal.key_id and claimed_tenant not in (None, policy.name):
         raise Forbidden(f"this API key belongs to tenant {policy.name!r}, not {claimed_tenant!r}; "
                         "leave the tenant out (the key says who you are)")
-    offline = call.priority == Priority.OFFLINE or policy.priority == Priority.OFFLINE
-    priority = Priority.OFFLINE if offline else Priority.INTERACTIVE
+    priority = priority_class(call.priority, policy.priority)
     if priority == Priority.INTERACTIVE and call.timeout_ms > settings.max_timeout_ms:
         raise InvalidInput(f"'timeout_ms' must be at most {settings.max_timeout_ms} for interactive requests; "
                            "longer deadlines need \"priority\": \"offline\"")
