@@ -7,7 +7,7 @@ from tasks.config import Settings
 from tasks.errors import Forbidden, InvalidInput
 from tasks.policy.tenancy import Principal, TenantPolicy
 from tasks.schema import Priority
-from webapp.validation import asks_offline, bind, parse_infer, priority_class, request_id_from
+from webapp.validation import asks_offline, bearer_token, bind, parse_infer, priority_class, request_id_from
 
 S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000, offline_max_timeout_ms=9000)
 
@@ -77,6 +77,11 @@ def test_what_asks_for_offline_and_which_class_a_call_gets() -> None:
     assert not asks_offline({"priority": "interactive"}, openai=True) and not asks_offline(["offline"], openai=True)
     i, o = Priority.INTERACTIVE, Priority.OFFLINE
     assert [priority_class(asked, tenant) for asked, tenant in ((i, i), (o, i), (i, o), (o, o))] == [i, o, o, o]
+
+
+def test_a_bearer_header_gives_its_key_and_nothing_else_does() -> None:
+    assert bearer_token("Bearer llmb_k") == "llmb_k" and bearer_token("bearer  llmb_k ") == "llmb_k"
+    assert bearer_token("Basic abc") is None and bearer_token("Bearer ") is None and bearer_token("") is None
 
 
 def test_a_key_cannot_claim_another_tenant_but_without_keys_the_name_is_the_tenant() -> None:

@@ -29,7 +29,7 @@ from tasks.policy.callers import RecentCallers
 from tasks.schema import Priority
 from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import NATIVE, OPENAI
-from webapp.validation import asks_offline, priority_class, request_id_from
+from webapp.validation import asks_offline, bearer_token, named_tenant, priority_class, request_id_from
 from webapp.worker import arrival, backlog
 
 if TYPE_CHECKING:
@@ -257,13 +257,11 @@ class HeldFull:
         if not isinstance(model, str):
             return None
         if self.keys:
-            scheme, _, key = request.headers.get("authorization", "").partition(" ")
-            if scheme.lower() != "bearer" or not key.strip():
-                return None
-            known = self.tenants.cached_priority(key.strip(), "")
+            key = bearer_token(request.headers.get("authorization", ""))
+            known = None if key is None else self.tenants.cached_priority(key, "")
         else:
-            named = request.headers.get("x-tenant") or "default"
-            tenant = body.get("tenant", named) if native else named
+            header = request.headers.get("x-tenant")
+            tenant = named_tenant(body, header) if native else header or "default"
             known = self.tenants.cached_priority(None, tenant) if isinstance(tenant, str) else None
         if known is None:
             return None

@@ -17,7 +17,7 @@ from tasks.errors import Forbidden, Unauthorized
 from tasks.policy.tenancy import Principal
 from tasks.store.tenants import HOW_TO_AUTH
 from webapp.services import services
-from webapp.validation import bind
+from webapp.validation import bearer_token, bind
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -25,12 +25,12 @@ R = TypeVar("R")
 
 def bearer_key() -> str | None:
     header = request.headers.get("Authorization", "")
-    scheme, _, key = header.partition(" ")
     if not header:
         return None
-    if scheme.lower() != "bearer" or not key.strip():
+    key = bearer_token(header)
+    if key is None:
         raise Unauthorized(f"the Authorization header must read 'Bearer <key>'; {HOW_TO_AUTH}")
-    return key.strip()
+    return key
 
 
 def authenticated(view: Callable[P, R]) -> Callable[P, R]:

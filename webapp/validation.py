@@ -52,10 +52,21 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
     model = body.get("model", settings.default_model)
     check_model(model)
 
-    tenant = check_tenant_name(body.get("tenant", tenant_header or "default"))
+    tenant = check_tenant_name(named_tenant(body, tenant_header))
 
     return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=int(timeout_ms),
                 priority=parse_priority(body.get("priority")))
+
+
+def named_tenant(body: dict[str, Any], tenant_header: str | None) -> Any:
+    """The tenant a /v1/infer body names (without API keys): its ``"tenant"``, else X-Tenant, else "default"."""
+    return body.get("tenant", tenant_header or "default")
+
+
+def bearer_token(header: str) -> str | None:
+    """The key of an ``Authorization: Bearer <key>`` header (None: another scheme, or no key)."""
+    scheme, _, key = header.partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
 def check_model(model: Any) -> str:
