@@ -49,7 +49,8 @@ class InferenceRequest:
     priority: Priority = Priority.INTERACTIVE
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # by hand rather than dataclasses.asdict, whose deep copies cost more than the rest of the encoding
+        return {**vars(self), "items": [{**vars(i)} for i in self.items], "params": {**self.params}}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "InferenceRequest":
@@ -106,7 +107,8 @@ class Batch:
     attempt: int = 0  # failures in its ancestry: 0 for a batch of fresh requests
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        # by hand, as InferenceRequest's
+        return {**vars(self), "items": [{**vars(i), "params": {**i.params}} for i in self.items]}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "Batch":
@@ -140,7 +142,7 @@ class ItemResult:
     run_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in asdict(self).items() if v is not None}
+        return {k: v for k, v in vars(self).items() if v is not None}  # no deep copy of the output: it is encoded
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ItemResult":

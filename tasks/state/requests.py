@@ -25,7 +25,7 @@ import hashlib
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
 
@@ -145,8 +145,9 @@ class Record:
     published: bool | None = None
 
     def to_json(self) -> str:
-        return json.dumps({**self.__dict__, "shape": asdict(self.shape),
-                           "outcome": asdict(self.outcome) if self.outcome else None})
+        # vars(), not dataclasses.asdict: the fields are flat, and asdict's deep copies were 4% of an API process's CPU
+        return json.dumps({**vars(self), "shape": vars(self.shape),
+                           "outcome": vars(self.outcome) if self.outcome else None})
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Record:
