@@ -16,9 +16,9 @@ monkey.patch_all()
 import argparse  # noqa: E402
 import collections  # noqa: E402
 import gc  # noqa: E402
-import http.client  # noqa: E402
 import json  # noqa: E402
 import random  # noqa: E402
+import socket  # noqa: E402
 import time  # noqa: E402
 from typing import Any  # noqa: E402
 from urllib.parse import urlparse  # noqa: E402
@@ -32,6 +32,55 @@ def percentile(values: list[float], q: float) -> float | None:
         return None
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+
+
+def post(address: tuple[str, int], request: bytes, timeout_s: float) -> tuple[int, bytes]:
+    """One request on a new connection, as a caller without connection reuse makes it: (status, body).
+
+    A plain socket rather than http.client: the generator shares the host with the system it measures, and
+    http.client's header parsing (the email package) cost 0.6 ms of CPU a request, 0.7 of the two cores at
+    1,200 requests/s, taken from the system under test. The answer is read by its Content-Length (or its chunks,
+    or to the close); ``timeout_s`` bounds each wait on the socket, as http.client's timeout did."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.settimeout(timeout_s)
+        sock.connect(address)
+        sock.sendall(request)
+        data = b""
+        while (end := data.find(b"\r\n\r\n")) < 0:
+            data += _recv(sock)
+        head, rest = data[:end].decode("latin-1"), data[end + 4:]
+        status = int(head.split(" ", 2)[1])
+        fields = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in head.split("\r\n")[1:])}
+        if "content-length" in fields:
+            length = int(fields["content-length"])
+            while len(rest) < length:
+                rest += _recv(sock)
+            return status, rest[:length]
+        chunked = "chunked" in fields.get("transfer-encoding", "")
+        while not (chunked and rest.endswith(b"0\r\n\r\n")):
+            try:
+                rest += _recv(sock)
+            except ConnectionError:
+                break
+        return status, _unchunk(rest) if chunked else rest
+
+
+def _recv(sock: socket.socket) -> bytes:
+    data = sock.recv(65536)
+    if not data:
+        raise ConnectionError("the server closed the connection before its answer was complete")
+    return data
+
+
+def _unchunk(data: bytes) -> bytes:
+    out, pos = b"", 0
+    while True:
+        line_end = data.index(b"\r\n", pos)
+        size = int(data[pos:line_end].split(b";")[0], 16)
+        if size == 0:
+            return out
+        out += data[line_end + 2:line_end + 2 + size]
+        pos = line_end + 2 + size + 2
 
 
 def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 1, tenant: str | None = None,
@@ -54,26 +103,29 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
         headers["Authorization"] = f"Bearer {key}"
     extra = {"priority": priority} if priority else {}
 
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    request_head = f"POST /v1/infer HTTP/1.1\r\nHost: {target.hostname}:{target.port}\r\n{head}"
+    address = (socket.gethostbyname(target.hostname or "127.0.0.1"), target.port or 80)  # resolved once
+
     def one(i: int, sent_at: float) -> None:
         text = f"bench {seed} {i}"
         if poison_every and i % poison_every == poison_every - 1:
             text = f"{poison_marker} {seed} {i}"
-        body = json.dumps({"input": text, "timeout_ms": timeout_ms, **extra})
+        body = json.dumps({"input": text, "timeout_ms": timeout_ms, **extra}).encode()
         record: dict[str, Any] = {"i": i, "t": round(sent_at, 4), "wall": round(time.time(), 4)}
         started = time.monotonic()
         try:
-            conn = http.client.HTTPConnection(target.hostname, target.port, timeout=client_s)
-            conn.request("POST", "/v1/infer", body, headers)
-            resp = conn.getresponse()
-            data = resp.read()
-            conn.close()
-            record["status"] = resp.status
-            if resp.status == 200:
+            status, data = post(address, f"{request_head}Content-Length: {len(body)}\r\n\r\n".encode() + body,
+                                client_s)
+            record["status"] = status
+            if status == 200:
                 record["batch"] = json.loads(data)["batch"]["size"]
             else:  # which refusal: the error's type
                 record["error"] = json.loads(data).get("error", {}).get("type") if data.startswith(b"{") else None
         except OSError as exc:  # socket.timeout is an OSError: the client's own deadline passed
             record["status"] = "client_timeout" if isinstance(exc, TimeoutError) else type(exc).__name__
+        except ValueError:  # not HTTP
+            record["status"] = "bad_response"
         record["ms"] = round((time.monotonic() - started) * 1000, 2)
         records.append(record)
 
