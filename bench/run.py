@@ -15,6 +15,7 @@ import datetime as dt
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -88,8 +89,14 @@ def load(url: str, rate: float, duration: float, timeout_ms: int, out: Path, **e
     for key, value in extra.items():
         if value is not None:
             argv += [f"--{key.replace('_', '-')}", str(value)]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(argv, check=True, capture_output=True, timeout=duration + timeout_ms / 1000 + 120)
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    result: dict[str, Any] = json.loads(out.read_text())
+    summary = result["summary"]  # the generator's own CPU: taken from the same cores as the system's, not counted in it
+    summary["generator_cpu_ms_per_request"] = round(
+        (after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime) * 1000 / max(summary["sent"], 1), 3)
+    return result
 
 
 # -- the system and the reference ----------------------------------------------------------------------
@@ -297,6 +304,9 @@ def write_report(bench: Bench, plots: bool) -> None:
                   "| scenario | " + " | ".join(roles) + " | all |", "|---" * (len(roles) + 2) + "|"]
         lines += [f"| {n} | " + " | ".join(f"{row.get(r, 0):.3f}" for r in roles) + f" | {sum(row.values()):.3f} |"
                   for n, row in split.items()]
+        generator = {n: s.get("generator_cpu_ms_per_request") for n, s in bench.results.items() if n in split}
+        lines += ["", "The load generator's own CPU ms per request (same cores, not counted above): "
+                  + ", ".join(f"{n} {v}" for n, v in generator.items() if v is not None) + "."]
     lines += ["", "| target | limit | measured | met |", "|---|---|---|---|"]
     for t, lim, m, ok in targets(bench):
         lines.append(f"| {t} | {lim} | {m} | {'yes' if ok else 'no' if ok is not None else '-'} |")
