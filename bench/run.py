@@ -87,8 +87,11 @@ def load(url: str, rate: float, duration: float, timeout_ms: int, out: Path, **e
     argv = [*LOAD, "--url", url, "--rate", str(rate), "--duration", str(duration), "--timeout-ms",
             str(timeout_ms), "--out", str(out)]
     for key, value in extra.items():
-        if value is not None:
-            argv += [f"--{key.replace('_', '-')}", str(value)]
+        flag = f"--{key.replace('_', '-')}"
+        if value is True:
+            argv.append(flag)
+        elif value is not None and value is not False:
+            argv += [flag, str(value)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(argv, check=True, capture_output=True, timeout=duration + timeout_ms / 1000 + 120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -126,7 +129,7 @@ class Bench:
         services = stack is not None  # the reference uses neither RabbitMQ nor Redis
         cpu0, m0, t0 = cpu_by_process(groups, services), batch_metrics(stack) if stack else None, time.monotonic()
         result = load(url, rate, a.duration, a.timeout_ms, self.out / f"{name}.requests.json",
-                      client_timeout_ms=a.client_timeout_ms, **extra)
+                      client_timeout_ms=a.client_timeout_ms, keep_alive=a.keep_alive, **extra)
         wall, cpu1 = time.monotonic() - t0, cpu_by_process(groups, services)
         summary = result["summary"]
         sent = max(summary["sent"], 1)
@@ -282,7 +285,8 @@ def write_report(bench: Bench, plots: bool) -> None:
              f"Machine: {report['machine']}. System: {a.workers} sim worker(s), {a.batch_ms:g} ms per batch of up "
              f"to {a.max_batch}, max wait {a.max_wait_ms:g} ms, {a.web_workers} gunicorn process(es); capacity "
              f"**{bench.capacity:g} requests/s**. Each point: {a.duration:g} s of Poisson arrivals, deadline "
-             f"{a.timeout_ms} ms. The load generator runs on the same machine.", "",
+             f"{a.timeout_ms} ms. The load generator runs on the same machine, "
+             f"{'reusing connections (--keep-alive)' if a.keep_alive else 'one new connection per request'}.", "",
              "| scenario | offered/s | goodput/s | 200 | other answers | p50 ms | p90 ms | p99 ms | 429 p99 ms "
              "| batch fill | device idle | CPU ms/req |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -334,6 +338,8 @@ def main() -> None:
     ap.add_argument("--ref-loads", type=float, nargs="+", default=[10, 50, 90, 150, 300])
     ap.add_argument("--lone-requests", type=int, default=21, help="sequential requests for the overhead figure")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "latest")
+    ap.add_argument("--keep-alive", action="store_true",
+                    help="clients reuse connections, as a pool does (default: one new connection per request)")
     ap.add_argument("--smoke", action="store_true", help="a few seconds: two loads, no fault scenarios")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-secondary", action="store_true",

@@ -67,3 +67,36 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> 
     late = sum(s.get("late_over_100ms", 0) for k, s in scenarios.items() if k.startswith(("system", "poison", "fault")))
     assert targets["callers answered > 100 ms after their deadline"]["measured"] == str(late)
     assert "| target | limit | measured | met |" in (tmp_path / "summary.md").read_text()
+
+
+def test_the_load_generator_reuses_connections_with_keep_alive(tmp_path: Path) -> None:
+    """``bench/load.py --keep-alive`` (a client's connection pool) against the in-process reference: every request
+    answered once, on far fewer connections than requests; without it, one connection per request."""
+    from tests.stack import free_port, wait_for
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "reference.py"), "--port", str(port),
+                               "--devices", "1", "--batch-ms", "50"], cwd=ROOT, start_new_session=True)
+    try:
+        import socket
+
+        def up() -> bool:
+            with socket.socket() as s:
+                return s.connect_ex(("127.0.0.1", port)) == 0
+
+        wait_for(up, 20, "the reference server")
+        runs = {}
+        for mode in ("new", "keep-alive"):
+            out = tmp_path / f"{mode}.json"
+            argv = [sys.executable, str(ROOT / "bench" / "load.py"), "--url", f"http://127.0.0.1:{port}", "--rate",
+                    "100", "--duration", "2", "--out", str(out)] + (["--keep-alive"] if mode == "keep-alive" else [])
+            done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr
+            runs[mode] = json.loads(out.read_text())["summary"]
+        for mode, s in runs.items():
+            assert s["statuses"] == {"200": s["sent"]} and s["sent"] > 100, (mode, s)
+        assert runs["new"]["connections"] == runs["new"]["sent"]
+        assert runs["keep-alive"]["connections"] < runs["keep-alive"]["sent"] / 2, runs["keep-alive"]
+    finally:
+        os.killpg(server.pid, 15)
+        server.wait(10)
