@@ -1,6 +1,9 @@
 """Open-loop load generator: Poisson arrivals at a fixed rate for a bounded time, one process (gevent).
 
-    python bench/load.py --url http://127.0.0.1:8000 --rate 300 --duration 20 [--out requests.json]
+    python bench/load.py --url http://127.0.0.1:8000 --rate 300 --duration 20 [--out requests.json] [--keep-alive]
+
+Each request goes on a new connection, as a caller without a connection pool sends it; ``--keep-alive`` reuses
+connections as a pool does (the summary counts the connections opened).
 
 Arrivals are scheduled ahead of time and sent whether or not earlier requests have returned (open loop),
 so a slow server cannot slow the offered load down. The generator reports its own scheduling lag: when that
