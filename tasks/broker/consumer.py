@@ -186,10 +186,11 @@ class BatchingStep(bootsteps.ConsumerStep):
     # -- I/O handed to the Batcher -------------------------------------------------------------------
     def _live_workers(self) -> list[WorkerInfo]:
         try:
-            return self.workers.get()
+            workers = self.workers.get()
         except redis.RedisError as exc:
             log.warning("cannot read the fleet from Redis (%s); keeping the last view", exc)
-            return self.workers.keep()
+            workers = self.workers.keep()
+        return self.recovery.routable(workers)
 
     def _dispatch(self, batch: Batch, worker: WorkerInfo) -> None:
         self.app.send_task(

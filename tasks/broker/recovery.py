@@ -30,7 +30,7 @@ from tasks.broker.celery_app import batch_of_task
 from tasks.broker.queues import RETRY_POLICY
 from tasks.errors import PoisonInput, RetriesExhausted
 from tasks.policy.batcher import Batcher
-from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, input_hash
+from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, WorkerInfo, input_hash
 from tasks.state.claims import Claims, Verdict
 from tasks.state.fleet import Fleet
 from tasks.state.quarantine import Quarantine
@@ -58,6 +58,11 @@ class Recovery:
         self.on_poison = on_poison  # counts isolated poison inputs (metrics)
         self._queues: dict[str, str] = {}  # each worker's batch queue, from the last heartbeat seen of it
         self._gone_since: dict[str, float] = {}  # workers holding our batches, missing from the fleet view
+        # Workers taken back because nobody consumed their queue while their heartbeat was fresh (a consumer
+        # reconnecting after a broker cut, say): no batch goes to them until their queue has a consumer again (or,
+        # gone from the fleet, they are forgotten). Sent there meanwhile, a batch would be taken back at the next
+        # check, and each time charged a retry. Worker id -> (its queue, since when).
+        self._unconsumed: dict[str, tuple[str, float]] = {}
 
     # -- the recovery queue --------------------------------------------------------------------------
     def on_message(self, message: Message) -> float | None:
@@ -115,12 +120,21 @@ class Recovery:
         self._gone_since = {wid: t for wid, t in self._gone_since.items() if wid in ours and wid not in workers}
         lost |= {wid for wid, t in self._gone_since.items() if now - t >= self.fleet.stale_after_s / 2}
         busy = {wid for wid in ours - lost if wid in workers and workers[wid].state != DRAINING}
-        if busy:
+        if busy or self._unconsumed:
             with self.connection() as conn:
-                lost |= {wid for wid in busy if _consumers(conn, workers[wid].queue) == 0}
+                unconsumed = {wid for wid in busy if _consumers(conn, workers[wid].queue) == 0}
+                self._unconsumed = {wid: (queue, since) for wid, (queue, since) in self._unconsumed.items()
+                                    if (wid in workers or now - since < self.fleet.stale_after_s)
+                                    and _consumers(conn, queue) == 0}
+            self._unconsumed.update({wid: (workers[wid].queue, now) for wid in unconsumed})
+            lost |= unconsumed
         for wid in lost:
             self.take_back(wid, self._queues.get(wid))
         return sorted(lost)
+
+    def routable(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
+        """The workers batches may go to: not those whose queue nobody consumed at the last checks."""
+        return [w for w in workers if w.id not in self._unconsumed] if self._unconsumed else workers
 
     def take_back(self, worker_id: str, queue: str | None) -> None:
         """Publish every batch the worker holds to the recovery queue (those this batcher sent it, and what is
