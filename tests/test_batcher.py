@@ -288,6 +288,54 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
             conn.default_channel.queue_delete(f"{ns}.recovery")
 
 
+def test_a_worker_nobody_consumes_gets_no_batch_until_its_queue_has_a_consumer() -> None:
+    """After a broker cut a worker's consumer reconnects while its heartbeat goes on. The check takes its batch back
+    once; then no batch goes to it (the next check would take each back again, charging a retry every time: a whole
+    batch ended 503 retries_exhausted in CI) until its queue has a consumer again. Real broker and Redis."""
+    import uuid
+    from dataclasses import replace
+
+    import redis
+    from kombu import Connection
+
+    from tasks.broker.queues import recovery_queue
+    from tasks.broker.recovery import Recovery
+    from tasks.state.claims import Claims
+    from tasks.state.fleet import Fleet
+    from tasks.state.quarantine import Quarantine
+    from tasks.state.results import ResultWriter
+    from tests.stack import BROKER_URL, REDIS_URL
+
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    h = Harness(size=1, workers=1)
+    h.workers = [replace(worker("w0"), queue=f"{ns}.gpu.w0", heartbeat_at=h.clock.t)]
+    client = redis.Redis.from_url(REDIS_URL)
+    fleet = Fleet(client, f"{ns}:fleet", 3.0)
+    fleet.beat(h.workers[0])
+    recovery = Recovery(h.batcher, fleet, Claims(client, f"{ns}:claim"), Quarantine(client, f"{ns}:quarantine"),
+                        ResultWriter(client, lambda i: i, 60), lambda event: None, lambda: Connection(BROKER_URL),
+                        recovery_queue(f"{ns}.recovery"))
+    with Connection(BROKER_URL) as conn:
+        channel = conn.channel()
+        channel.queue_declare(h.workers[0].queue, auto_delete=False)
+        tag = None
+        try:
+            h.submit("a")
+            assert [w for _, w in h.sent] == ["w0"]
+            assert recovery.check(h.clock.t) == ["w0"]  # busy, its queue unconsumed: taken back
+            assert recovery.routable(h.workers) == []
+            fleet.beat(h.workers[0])  # its heartbeat goes on
+            assert recovery.check(h.clock.t) == [] and recovery.routable(h.workers) == []
+            tag = channel.basic_consume(h.workers[0].queue, callback=lambda message: None)  # its consumer is back
+            assert recovery.check(h.clock.t) == [] and recovery.routable(h.workers) == h.workers
+        finally:
+            if tag is not None:
+                channel.basic_cancel(tag)
+            channel.queue_delete(h.workers[0].queue)
+            channel.queue_delete(f"{ns}.recovery")
+            client.delete(f"{ns}:fleet")
+
+
 def test_generation_requests_are_shared_by_tokens_and_corrected_by_what_they_took() -> None:
     """Two tenants, both backlogged: one sends 2,000-character prompts (about 500 tokens + 100 to generate),
     the other 40-character ones (10 + 100). A batch of 12 gives them equal estimated tokens, so the short
