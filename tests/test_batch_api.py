@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 from sqlalchemy import func, inspect, select
 from sqlalchemy.orm import Session
 
@@ -382,3 +383,60 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
     finally:
         s.close()
         private.stop()
+
+
+def test_a_line_the_interactive_route_refuses_is_that_lines_400_at_once(jobs_stack: Stack,
+                                                                        alice: "openai.OpenAI") -> None:
+    """A lone surrogate in a line's input (a 400 on /v1/infer) is that line's 400 in the error file, given at its
+    first run: not an exception of the pipeline retried 8 times and written as a 500."""
+    raw = (jsonl(infer_lines(["fine 0", "fine 1"]))
+           + b'{"custom_id": "lone", "method": "POST", "url": "/v1/infer", "body": {"input": "x\\ud800y"}}\n')
+    f = alice.files.create(file=("surrogate.jsonl", raw), purpose="batch")
+    batch = alice.batches.create(input_file_id=f.id, endpoint="/v1/infer", completion_window="24h",
+                                 output_expires_after={"anchor": "created_at", "seconds": 7200})
+    done = finished(alice, batch.id, timeout_s=30)
+    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    errors_file = alice.files.retrieve(done.error_file_id)
+    assert errors_file.expires_at == errors_file.created_at + 7200, "output_expires_after, as OpenAI has it"
+    [lone] = read(alice, done.error_file_id)
+    assert lone["custom_id"] == "lone" and lone["response"]["status_code"] == 400, lone
+    assert "surrogate" in lone["response"]["body"]["error"]["message"]
+    shown = json.loads(jobs_stack.admin("jobs", "show", batch.id, "--lines", "5", "--json").stdout)
+    assert {row["custom_id"]: row["status"] for row in shown["lines"]}["lone"] == "error"
+
+
+def test_a_failed_jobs_errors_stay_small_in_every_listing(jobs_stack: Stack) -> None:
+    """150 lines with a 20 KB url, and a 2 MB line (over the interactive 1 MiB body limit): the job fails with
+    the first 100 errors and a count of the rest, each a short message, so the tenant's listing of 100 batches
+    stays small (it was 20 KB per error, 2 MB per job)."""
+    c = client(jobs_stack, "many-errors")
+    lines = [{"custom_id": f"u{i}", "method": "POST", "url": "/v1/" + "u" * 20_000, "body": {"input": "x"}}
+             for i in range(150)]
+    lines.insert(0, {"custom_id": "huge", "method": "POST", "url": "/v1/infer", "body": {"input": "h" * 2_000_000}})
+    batch = c.batches.create(input_file_id=c.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch").id,
+                             endpoint="/v1/infer", completion_window="24h")
+    done = finished(c, batch.id)
+    assert done.status == "failed" and done.errors is not None
+    codes = [e.code for e in done.errors.data]
+    assert len(codes) == 101 and codes[0] == "line_too_large" and codes[-1] == "more_errors"
+    assert "LLMB_MAX_BODY_BYTES" in done.errors.data[0].message and "51 more" in done.errors.data[-1].message
+    for _ in range(5):
+        c.batches.create(input_file_id=done.input_file_id, endpoint="/v1/infer", completion_window="24h")
+    wait_for(lambda: all(b.status == "failed" for b in c.batches.list(limit=100)), 60, "every batch failed")
+    listing = requests.get(jobs_stack.url + "/v1/batches?limit=100", headers={"Authorization": f"Bearer {c.api_key}"},
+                           timeout=30)
+    assert listing.status_code == 200 and len(listing.json()["data"]) == 6
+    print(f"\nGET /v1/batches?limit=100: {len(listing.content)} bytes for 6 failed batches")
+    assert len(listing.content) < 6 * 40_000, f"{len(listing.content)} bytes for 6 failed batches"
+
+
+def test_jobs_show_escapes_what_a_tenant_wrote(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+    """`llmb-admin jobs show --lines` prints custom_ids with their control characters and terminal escapes
+    escaped: a tenant cannot clear an operator's screen or forge lines of the listing."""
+    evil = "\x1b[2J\x1b[31mred\r\nline 999  ok  forged"
+    batch = submit(alice, [{"custom_id": evil, "method": "POST", "url": "/v1/infer", "body": {"input": "e"}}])
+    finished(alice, batch.id)
+    out = jobs_stack.admin("jobs", "show", batch.id, "--lines", "5").stdout
+    assert "\x1b" not in out and "\r" not in out, repr(out)
+    assert "\\x1b[2J\\x1b[31mred\\x0d\\x0aline 999" in out
+    assert len([x for x in out.splitlines() if x.lstrip().startswith("line ")]) == 1, out

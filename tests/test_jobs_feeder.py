@@ -1,23 +1,28 @@
 """The batch jobs' feeder in one process, on a real SQLite database and file store, with the line runner faked:
-retries and when a line gives up, expiry, cancellation, and the leases between two feeders."""
+retries and when a line gives up, expiry, cancellation, the leases between two feeders, which tenant's job a free
+slot takes (SQLite and PostgreSQL), validation's memory, and the clean-up of expired files."""
 from __future__ import annotations
 
 import io
 import json
+import os
 import threading
 import time
+import tracemalloc
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from sqlalchemy.orm import Session
 
-from tasks.broker.jobs import Feeder, LineResult
+from tasks.broker.jobs import Feeder, JobRun, LineResult
 from tasks.config import Settings
 from tasks.policy.feeding import MAX_LINE_ATTEMPTS, FeedControl
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
-from tasks.store.models import Base, make_engine
+from tasks.store.models import Base, FileRecord, make_engine
 from tests.stack import wait_for
 
 SETTINGS = Settings(jobs_poll_s=0.02, jobs_lease_s=1.0, jobs_initial_in_flight=4, jobs_max_in_flight=50)
@@ -172,3 +177,96 @@ def test_two_feeders_never_run_one_job_and_a_lapsed_lease_is_taken_over(stores: 
         for t in threads:
             t.join(10)
     assert set(runner.calls.values()) == {1} and len(runner.calls) == 5 + 4 * 50, "every line ran once"
+
+
+# -- a slot's next job, across processes: the tenant running fewest (real SQLite and PostgreSQL) ----------------
+@pytest.fixture
+def db_stores(database_url: str, tmp_path: Path) -> tuple[JobStore, FileStore]:
+    engine = make_engine(database_url)
+    Base.metadata.create_all(engine)
+    return JobStore(engine), FileStore(engine, tmp_path / "files")
+
+
+def test_a_free_slot_goes_to_the_tenant_running_fewest_jobs_in_any_process(db_stores: tuple[JobStore, FileStore]
+                                                                            ) -> None:
+    """Tenant a queued six jobs before b and c queued one each. The first feeder's two slots take a's oldest and
+    b's (not a's two oldest); a second feeder, counting what the first runs from the database, takes c's
+    (not a's next, older than it)."""
+    jobs = db_stores[0]
+    a_jobs = [new_job(db_stores, 5, tenant="a") for _ in range(6)]
+    b_job = new_job(db_stores, 5, tenant="b")
+    release = threading.Event()
+    runner = Runner(lambda line, n: (release.wait(20), LineResult(200, {"output": "x"}))[1])
+    settings = replace(SETTINGS, jobs_max_active=2)
+    first = feeder(db_stores, runner, settings=settings, owner="first")
+    second = feeder(db_stores, runner, settings=replace(SETTINGS, jobs_max_active=1), owner="second")
+    stop = threading.Event()
+    threads = [threading.Thread(target=first.run, args=(stop,), daemon=True)]
+    threads[0].start()
+    try:
+        wait_for(lambda: len(first.runs) == 2, 10, "the first feeder's two slots taken")
+        assert set(first.runs) == {a_jobs[0].id, b_job.id}
+        c_job = new_job(db_stores, 5, tenant="c")
+        threads.append(threading.Thread(target=second.run, args=(stop,), daemon=True))
+        threads[1].start()
+        wait_for(lambda: len(second.runs) == 1, 10, "the second feeder's slot taken")
+        assert set(second.runs) == {c_job.id}
+        assert jobs.running_by_tenant(time.time()) == {"a": 1, "b": 1, "c": 1}
+    finally:
+        release.set()
+        stop.set()
+        for t in threads:
+            t.join(10)
+
+
+def test_validation_memory_does_not_grow_with_the_file(stores: tuple[JobStore, FileStore]) -> None:
+    """A job's file is checked, then its lines written, as it is read: the validation's peak (tracemalloc) stays a
+    small part of a 6 MB, 15,000-line file (it held the parsed file whole, about ten times its size)."""
+    jobs, files = stores
+    text = "".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/infer",
+                               "body": {"input": f"{i} " + "w" * 360}}) + "\n" for i in range(15_000))
+    info = files.save("t", "batch", "big.jsonl", io.BytesIO(text.encode()), 10**8)
+    job = jobs.create("t", "/v1/infer", info.id, "24h", None, time.time())
+    f = feeder(stores, Runner())
+    assert jobs.claim(job.id, f.owner, time.time(), 60)
+    run = JobRun(f, job.id)
+    tracemalloc.start()
+    try:
+        started = run._validate(job)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert started is not None and started.status == "in_progress" and started.total == 15_000
+    assert jobs.count(job.id, "pending") == 15_000
+    assert peak < len(text) / 2, f"validation peaked at {peak} bytes for a file of {len(text)}"
+
+
+def test_llmb_jobs_deletes_expired_files_and_what_killed_uploads_left(tmp_path: Path) -> None:
+    """With an injected clock: past its expiry a file is not found, and the feeder's periodic clean-up deletes its
+    bytes and its row; a temporary file older than an hour (a write killed mid-way) goes too, a fresh one stays."""
+    engine = make_engine(f"sqlite:///{tmp_path / 'jobs.db'}")
+    Base.metadata.create_all(engine)
+    now = [time.time()]
+    files = FileStore(engine, tmp_path / "files", clock=lambda: now[0], expire_s=3600)
+    soon = files.save("t", "batch", "a.jsonl", io.BytesIO(b"{}\n"), 100)
+    later = files.save("t", "batch", "b.jsonl", io.BytesIO(b"{}\n"), 100, expires_s=7200)
+    assert soon.expires_at is not None and soon.expires_at.timestamp() == pytest.approx(now[0] + 3600, abs=1)
+    stale, fresh = files.root / ".upload-stale", files.root / ".upload-fresh"
+    stale.write_bytes(b"cut off")
+    fresh.write_bytes(b"being written")
+    os.utime(stale, (time.time() - 7200, time.time() - 7200))
+    now[0] += 3601
+    assert files.get("t", soon.id) is None and [x.id for x in files.page("t")[0]] == [later.id]
+    assert files.path(soon.id).exists(), "not yet deleted: not found, though"
+    f = Feeder(JobStore(engine), files, Runner(), replace(SETTINGS, files_cleanup_s=7200), clock=lambda: now[0])
+    f.tick()
+    assert not files.path(soon.id).exists() and not stale.exists()
+    assert files.path(later.id).exists() and fresh.exists()
+    with Session(engine) as session:
+        assert session.get(FileRecord, soon.id) is None and session.get(FileRecord, later.id) is not None
+    now[0] += 3600  # b expired, but the last clean-up was an hour ago
+    f.tick()
+    assert files.get("t", later.id) is None and files.path(later.id).exists(), "LLMB_FILES_CLEANUP_S apart"
+    now[0] += 3600
+    f.tick()
+    assert not files.path(later.id).exists()

@@ -1,18 +1,31 @@
 """The Batch API's pure parts: how many lines of a job are in flight and when it backs off (with an injected clock),
-what an answer means for its line, and the batch file formats."""
+what an answer means for its line, which tenant's job a free slot takes, and the batch file formats (bounded: a
+line to the interactive body limit, errors to a small list, memory to one line)."""
 from __future__ import annotations
 
+import io
 import json
+import tracemalloc
 
+import pytest
+
+from tasks.errors import InvalidInput
 from tasks.policy.batchfile import (
+    MAX_ERRORS,
+    MAX_MESSAGE,
+    InputCheck,
+    check_filename,
+    download_name,
     error_line,
+    expiry_s,
     line_request_id,
     new_id,
     output_file_id,
     parse_input,
+    read_lines,
     response_line,
 )
-from tasks.policy.feeding import MAX_LINE_ATTEMPTS, FeedControl, Verdict, gives_up, verdict
+from tasks.policy.feeding import MAX_LINE_ATTEMPTS, FeedControl, Verdict, gives_up, pick_jobs, verdict
 
 
 class Clock:
@@ -146,3 +159,90 @@ def test_output_lines_are_openais_and_the_same_on_every_run() -> None:
     never = json.loads(error_line(rid, "r7", "batch_cancelled", "not run"))
     assert never["response"] is None and never["error"]["code"] == "batch_cancelled" and never["id"] == one["id"]
     assert output_file_id(job, "output") == output_file_id(job, "output") != output_file_id(job, "error")
+
+
+def test_a_failed_jobs_errors_stay_small_whatever_its_lines_hold() -> None:
+    """150 lines each echoing a 200 KB url: the errors list is the first 100 (and a count of the rest), and no
+    message quotes more than a few dozen characters of what the tenant sent (they were 200 KB each)."""
+    lines = [_line(f"r{i}", url="/v1/" + "x" * 200_000) for i in range(150)]
+    _, errors = parse_input(lines, "/v1/infer", 1000)
+    assert len(errors) == MAX_ERRORS + 1 and errors[-1].code == "more_errors" and "50 more" in errors[-1].message
+    assert {e.code for e in errors[:-1]} == {"mismatched_endpoint"}
+    assert all(len(e.message) <= MAX_MESSAGE for e in errors)
+    assert len(json.dumps([e.to_dict() for e in errors])) < 25_000
+    assert "200004 characters" in errors[0].message, "it says how long the value was"
+    _, errors = parse_input([_line("a" * 500), _line("a" * 500), _line("b", method="G" * 10_000)], "/v1/infer", 9)
+    assert [e.code for e in errors] == ["duplicate_custom_id", "invalid_request"]
+    assert all(len(e.message) < 200 for e in errors)
+
+
+def test_a_line_is_held_to_the_interactive_body_limit_and_a_deep_one_is_an_error_not_a_crash() -> None:
+    limit = 10_000
+    big_body = _line("big", body={"input": "x" * (limit + 1)})  # its body alone is over the limit
+    huge = _line("huge", body={"input": "y" * (5 * limit)})  # the line too: skipped without being held whole
+    deep = (b'{"custom_id": "deep", "method": "POST", "url": "/v1/infer", "body": ' + b"[" * 100_000
+            + b"]" * 100_000 + b"}")
+    fine = _line("fine", body={"input": "z" * (limit - 100)})
+    lines, errors = parse_input([big_body, huge, deep, fine], "/v1/infer", 10, max_body_bytes=limit)
+    assert [(e.line, e.code) for e in errors] == [(1, "line_too_large"), (2, "line_too_large"), (3, "line_too_large")]
+    assert "LLMB_MAX_BODY_BYTES" in errors[0].message and str(limit) in errors[0].message
+    _, errors = parse_input([deep[:60_000] + b"]" * 10 + b"}"], "/v1/infer", 10, max_body_bytes=10**6)
+    assert [e.code for e in errors] == ["invalid_json_line"], "too deep to parse: the line's error, not a crash"
+    assert [x.custom_id for x in parse_input([fine], "/v1/infer", 10, max_body_bytes=limit)[0]] == ["fine"]
+
+
+def test_read_lines_holds_one_bounded_line_at_a_time() -> None:
+    source = io.BytesIO(b"short\n" + b"L" * 50_000 + b"\n\nlast")
+    assert [(n, x) for n, x in read_lines(source, 100)] == [(1, b"short\n"), (2, None), (3, b"\n"), (4, b"last")]
+    assert list(read_lines(io.BytesIO(b"a" * 100 + b"\n"), 100)) == [(1, b"a" * 100 + b"\n")], "exactly the limit"
+
+
+def _peak_of_check(data: bytes) -> int:
+    tracemalloc.start()
+    try:
+        check = InputCheck("/v1/infer", 50_000, 1_048_576)
+        count = sum(1 for _ in check.lines(io.BytesIO(data)))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert count == 10_000 and check.report() == []
+    return peak
+
+
+def test_input_check_streams_a_file_in_memory_independent_of_its_size() -> None:
+    """10,000 lines of 3 MB and of 30 MB: the check holds the custom_ids' digests (bounded by
+    LLMB_JOBS_MAX_LINES) and one line, not the parsed file (about ten times its size)."""
+    one = '{"custom_id": "request-%06d", "method": "POST", "url": "/v1/infer", "body": {"input": "%s"}}\n'
+    small, large = ("".join(one % (i, "w" * n) for i in range(10_000)).encode() for n in (200, 3000))
+    peaks = _peak_of_check(small), _peak_of_check(large)
+    assert abs(peaks[1] - peaks[0]) < 256 * 1024, f"peaks {peaks} for {len(small)} and {len(large)} bytes"
+    assert peaks[1] < len(large) / 10, f"peak {peaks[1]} bytes for a file of {len(large)}"
+
+
+def test_pick_jobs_gives_the_next_slot_to_the_tenant_running_fewest() -> None:
+    waiting = [(f"batch_{i:03d}", "a") for i in range(8)] + [("batch_100", "b"), ("batch_101", "c"),
+                                                             ("batch_102", "b")]
+    assert pick_jobs(waiting, {}, 3) == ["batch_000", "batch_100", "batch_101"], "one each, oldest tenant first"
+    assert pick_jobs(waiting, {"a": 2}, 4) == ["batch_100", "batch_101", "batch_102", "batch_000"]
+    assert pick_jobs(waiting, {"a": 8, "b": 1, "c": 1}, 2) == ["batch_100", "batch_101"]
+    assert pick_jobs(waiting, {}, 100) == ["batch_000", "batch_100", "batch_101", "batch_001", "batch_102",
+                                           *(f"batch_{i:03d}" for i in range(2, 8))], "then round by round"
+    assert pick_jobs(waiting, {}, 0) == [] and pick_jobs([], {"a": 1}, 4) == []
+    assert pick_jobs([("batch_2", "a"), ("batch_1", "a")], {}, 1) == ["batch_1"], "oldest first within a tenant"
+
+
+def test_filenames_and_expiry_as_uploads_give_them() -> None:
+    assert check_filename("questions (1).jsonl") == "questions (1).jsonl"
+    for bad in ("a\r\nb.jsonl", "x\x1b[31m.jsonl", "tab\there", "nul\x00", "sep\u2028"):
+        with pytest.raises(InvalidInput, match="control character"):
+            check_filename(bad)
+    with pytest.raises(InvalidInput, match="255"):
+        check_filename("n" * 256)
+    assert download_name("a\r\nb\x1b.jsonl") == "a__b_.jsonl" and download_name("") == "file"
+    assert expiry_s({"anchor": "created_at", "seconds": 3600}, "expires_after") == 3600
+    assert expiry_s({"anchor": "created_at", "seconds": "86400"}, "expires_after") == 86400, "a form's text"
+    for bad in ({"anchor": "created_at", "seconds": 3599}, {"anchor": "created_at", "seconds": 2_592_001},
+                {"anchor": "last_active_at", "seconds": 3600}, {"seconds": 3600}, {"anchor": "created_at",
+                                                                                  "seconds": True}, 7):
+        with pytest.raises(InvalidInput):
+            expiry_s(bad, "expires_after")

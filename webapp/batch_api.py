@@ -6,6 +6,10 @@
 Every file and batch belongs to the caller's tenant (its API key's; without keys the X-Tenant header's); another
 tenant's is a 404. These routes only record and read: the jobs are run by ``llmb-jobs`` (:mod:`webapp.jobs`),
 whose lines go through the same gateway as every other request, at offline priority. Errors are in OpenAI's shape.
+
+Uploads are read by :mod:`webapp.uploads` (streamed into the file store under the body deadline, the file size
+limit and the tenant's quota); files expire (``expires_after``, ``output_expires_after``, else
+``LLMB_FILES_EXPIRE_S``) and are then not found.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from flask import Blueprint, Response, current_app, g, jsonify, request, send_fi
 from sqlalchemy.exc import SQLAlchemyError
 
 from tasks.errors import BatchingError, InvalidInput, Unavailable
-from tasks.policy.batchfile import COMPLETION_WINDOWS, ENDPOINTS
+from tasks.policy.batchfile import COMPLETION_WINDOWS, ENDPOINTS, check_filename, download_name, expiry_s
 from tasks.policy.tenancy import check_tenant_name
 from tasks.store.files import FileStore
 from tasks.store.jobs import FINAL, JobStore
@@ -23,6 +27,7 @@ from webapp import tenancy
 from webapp.body import read_json
 from webapp.errors import OPENAI, error_response, register_error_handlers
 from webapp.services import services
+from webapp.uploads import read_upload
 
 bp = Blueprint("batch", __name__)
 register_error_handlers(bp, OPENAI)
@@ -48,7 +53,8 @@ def _stores() -> tuple[FileStore, JobStore]:
     found = current_app.extensions.get(STORES)
     if found is None:
         s = services()
-        found = current_app.extensions[STORES] = (FileStore.from_settings(s.settings, s.keys.engine),
+        found = current_app.extensions[STORES] = (FileStore.from_settings(s.settings, s.keys.engine,
+                                                                          s.gateway.clock),
                                                   JobStore.from_settings(s.settings, s.keys.engine))
     return found  # type: ignore[no-any-return]
 
@@ -81,17 +87,27 @@ def _listing(data: list[dict[str, Any]], has_more: bool) -> Response:
 @bp.post("/v1/files")
 @tenancy.authenticated
 def create_file() -> Response:
-    settings = services().settings
-    request.max_content_length = settings.max_file_bytes  # this route takes files, not just JSON bodies
-    purpose = request.form.get("purpose")
-    upload = request.files.get("file")
-    if purpose != "batch":
-        raise InvalidInput("'purpose' must be \"batch\" (the only kind of file this service takes)")
-    if upload is None:
-        raise InvalidInput("the request needs a 'file' part (multipart/form-data)")
-    info = _stores()[0].save(_tenant(), purpose, upload.filename or "upload.jsonl", upload.stream,
-                             settings.max_file_bytes)
-    return jsonify(info.to_openai())
+    tenant, store = _tenant(), _stores()[0]
+    upload = read_upload(store, tenant, services().settings, g.started)
+    try:
+        purpose = upload.fields.get("purpose")
+        if purpose != "batch":
+            raise InvalidInput("'purpose' must be \"batch\" (the only kind of file this service takes)")
+        if upload.sink is None:
+            raise InvalidInput("the request needs a 'file' part (multipart/form-data)")
+        expires = _expires_after(upload.fields)
+        filename = check_filename(upload.filename or "upload.jsonl")
+    except BaseException:
+        upload.discard()
+        raise
+    return jsonify(store.commit(upload.sink, tenant, purpose, filename, expires).to_openai())
+
+
+def _expires_after(fields: dict[str, str]) -> int | None:
+    """``expires_after`` as the openai client sends it in a form (``expires_after[anchor]``,
+    ``expires_after[seconds]``); None: the default expiry."""
+    given = {k[len("expires_after["):-1]: v for k, v in fields.items() if k.startswith("expires_after[")}
+    return expiry_s(given, "expires_after") if given or "expires_after" in fields else None
 
 
 @bp.get("/v1/files")
@@ -123,8 +139,12 @@ def get_file(file_id: str) -> Response:
 @tenancy.authenticated
 def file_content(file_id: str) -> Response:
     info = _file(file_id)
-    return send_file(_stores()[0].path(info.id), mimetype="application/octet-stream", as_attachment=True,
-                     download_name=info.filename, conditional=False, etag=False)
+    try:  # an absolute path (the settings made it so): never resolved against the app's package folder
+        return send_file(_stores()[0].path(info.id), mimetype="application/octet-stream", as_attachment=True,
+                         download_name=download_name(info.filename), conditional=False, etag=False)
+    except FileNotFoundError:  # its upload was cut off between its row and its bytes: gone for good
+        raise NotFound(f"the content of file {file_id!r} is missing (its upload did not complete); upload it "
+                       "again") from None
 
 
 @bp.delete("/v1/files/<file_id>")
@@ -157,10 +177,13 @@ def create_batch() -> Response:
     input_file_id = body.get("input_file_id")
     if not isinstance(input_file_id, str):
         raise InvalidInput("'input_file_id' is required (the id `POST /v1/files` gave)")
+    output_expires = (expiry_s(body["output_expires_after"], "output_expires_after")
+                      if body.get("output_expires_after") is not None else None)
     info = _file(input_file_id)
     if info.purpose != "batch":
         raise InvalidInput(f"file {input_file_id!r} is not a batch input file (its purpose is {info.purpose!r})")
-    job = _stores()[1].create(_tenant(), endpoint, input_file_id, window, metadata, services().gateway.clock())
+    job = _stores()[1].create(_tenant(), endpoint, input_file_id, window, metadata, services().gateway.clock(),
+                              output_expires)
     return jsonify(job.to_openai())
 
 

@@ -91,26 +91,40 @@ def read_body(max_bytes: int, timeout_s: float, started: float) -> bytes:
     length = request.content_length
     if length is not None and length > max_bytes:
         raise PayloadTooLarge(f"request body larger than {max_bytes} bytes (Content-Length: {length})")
-    deadline = started + timeout_s
     parts: list[bytes] = []
     size = 0
+    with time_limited(timeout_s, started) as check:
+        stream: IO[bytes] = request.stream
+        while chunk := stream.read(CHUNK_BYTES):
+            size += len(chunk)
+            if size > max_bytes:
+                raise PayloadTooLarge(f"request body larger than {max_bytes} bytes")
+            parts.append(chunk)
+            check()
+    return b"".join(parts)
+
+
+@contextmanager
+def time_limited(timeout_s: float, started: float) -> Iterator[Callable[[], None]]:
+    """Every read of the request body inside must end within ``timeout_s`` of ``started``, else RequestTimeout
+    (408): the one body deadline, for :func:`read_body` and for any other reader of a body (an upload's multipart
+    parser). Yields a check to call between reads, for where no socket can be interrupted (the test client)."""
+    deadline = started + timeout_s
+
+    def check() -> None:
+        if time.monotonic() >= deadline:
+            raise _too_slow(timeout_s)
+
+    expired: Callable[[], bool] = lambda: False  # noqa: E731  (until the limit is armed)
     try:
         with _time_limit(deadline) as expired:
-            stream: IO[bytes] = request.stream
-            while chunk := stream.read(CHUNK_BYTES):
-                size += len(chunk)
-                if size > max_bytes:
-                    raise PayloadTooLarge(f"request body larger than {max_bytes} bytes")
-                parts.append(chunk)
-                if time.monotonic() >= deadline:
-                    raise _too_slow(timeout_s)
+            yield check
     except _Expired:
         raise _too_slow(timeout_s) from None
     except (ClientDisconnected, OSError):
         if expired():  # the watchdog shut the socket's read side: the body was too slow
             raise _too_slow(timeout_s) from None
         raise
-    return b"".join(parts)
 
 
 def _too_slow(timeout_s: float) -> RequestTimeout:

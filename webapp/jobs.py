@@ -1,16 +1,16 @@
 """``llmb-jobs``: the process that runs the Batch API's jobs (:mod:`tasks.broker.jobs` is its loop).
 
 It is composed like an API process (:class:`webapp.services.Services`: the same gateway, key store and tenant
-directory) and runs each line the way its endpoint's route would (:class:`LineRunner`: the same parsing and the
-same response bodies), with these differences: the caller is the job's tenant, every line is offline priority, a
-line that gives no ``timeout_ms`` gets ``LLMB_JOBS_LINE_TIMEOUT_MS``, and every line carries an idempotency key
-derived from its job and ``custom_id``.
+directory) and runs each line the way its endpoint's route would (:class:`LineRunner`: the same body checks,
+:func:`webapp.body.parse_json`, so a body holding a lone surrogate is that line's 400 as the interactive call's
+would be; the same parsing and the same response bodies), with these differences: the caller is the job's tenant,
+every line is offline priority, a line that gives no ``timeout_ms`` gets ``LLMB_JOBS_LINE_TIMEOUT_MS``, and every
+line carries an idempotency key derived from its job and ``custom_id``.
 
     llmb-jobs          # any number of them, on any hosts: each job is run by one at a time (a lease in SQL)
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -33,6 +33,7 @@ from tasks.state.requests import Idempotency, Shape
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
 from webapp.answers import render
+from webapp.body import parse_json
 from webapp.errors import error_body, openai_error_body
 from webapp.openai_api import KIND_FOR
 from webapp.openai_schema import parse_chat, parse_completion, parse_embeddings
@@ -69,7 +70,7 @@ class LineRunner:
         started = time.monotonic()
         native = job.endpoint == "/v1/infer"
         try:
-            body = json.loads(line.body)
+            body = parse_json(line.body.encode())  # the interactive body checks (lone surrogates: a 400)
             call, shape = self._call(job, body, line.request_id, started)
             key = idempotency_key(job.id, line.custom_id) + (f".{generation}" if generation else "")
             answer = self.services.gateway.submit(call, shape=shape, idempotency=Idempotency.of(key, job.endpoint,
@@ -120,7 +121,8 @@ def build(settings: Settings) -> Feeder:
     """The feeder of one llmb-jobs process, over the same services an API process builds."""
     services = Services.from_settings(settings)
     return Feeder(JobStore.from_settings(settings, services.keys.engine),
-                  FileStore.from_settings(settings, services.keys.engine), LineRunner(services), settings,
+                  FileStore.from_settings(settings, services.keys.engine, services.gateway.clock),
+                  LineRunner(services), settings,
                   clock=services.gateway.clock)
 
 

@@ -2,11 +2,14 @@
 other request (same queue, tenant caps, fairness and poison isolation) at offline priority.
 
 A :class:`Feeder` polls the database for jobs nobody runs (``tasks.store.jobs``: a lease per job, renewed every
-poll, so two processes never run one job at once), and runs each it claims in a thread of its own
-(:class:`JobRun`): validate the input file, then keep a bounded window of lines in flight
+poll, so two processes never run one job at once), takes a free slot's next job from the tenant running fewest
+(:func:`tasks.policy.feeding.pick_jobs`), and runs each it claims in a thread of its own (:class:`JobRun`):
+validate the input file as it is read (:class:`tasks.policy.batchfile.InputCheck`: one pass that only checks,
+then one that writes the lines, so neither holds the file), then keep a bounded window of lines in flight
 (:class:`tasks.policy.feeding.FeedControl`: it grows while lines are admitted and answered promptly, halves and
 pauses on 429 as Retry-After says, backs off on outages), commit finished lines in groups, and assemble the output
-and error files once no line is pending. A cancelled job stops sending and lets its running lines finish.
+and error files once no line is pending. A cancelled job stops sending and lets its running lines finish. Every
+``LLMB_FILES_CLEANUP_S`` the feeder also deletes expired files and what killed uploads left behind.
 
 What runs one line is given to the feeder (``run_line``: the API's own parsing and response shapes, composed in
 :mod:`webapp.jobs`), so that this module knows nothing of HTTP.
@@ -34,8 +37,8 @@ from typing import Any
 from sqlalchemy.exc import SQLAlchemyError
 
 from tasks.config import Settings
-from tasks.policy.batchfile import LineError, error_line, output_file_id, parse_input, response_line
-from tasks.policy.feeding import FeedControl, Verdict, gives_up, verdict
+from tasks.policy.batchfile import InputCheck, InputLine, LineError, error_line, output_file_id, response_line
+from tasks.policy.feeding import FeedControl, Verdict, gives_up, pick_jobs, verdict
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line, LineOutcome
 
@@ -86,6 +89,7 @@ class Feeder:
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     pool: ThreadPoolExecutor = field(init=False)
     _renewed_at: float = field(default=0.0, init=False)
+    _cleaned_at: float = field(default=float("-inf"), init=False)
 
     def __post_init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, self.settings.jobs_max_in_flight),
@@ -125,13 +129,17 @@ class Feeder:
                     run.lost.set()
         if self.stopping.is_set():
             return
+        if now - self._cleaned_at >= self.settings.files_cleanup_s:
+            self._cleaned_at = now
+            self.clean_up()
         room = self.settings.jobs_max_active - len(self.runs)
         if room <= 0:
             return
-        for job_id in self.store.claimable(now, room + len(self.runs)):
+        waiting = [(j, t) for j, t in self.store.waiting(now, room) if j not in self.runs]
+        for job_id in pick_jobs(waiting, self.store.running_by_tenant(now), room):
             if room <= 0:
                 break
-            if job_id in self.runs or not self.store.claim(job_id, self.owner, now, lease_s):
+            if not self.store.claim(job_id, self.owner, now, lease_s):
                 continue
             self._renewed_at = now
             run = JobRun(self, job_id)
@@ -139,6 +147,16 @@ class Feeder:
             log.info("took job %s", job_id)
             run.thread.start()
             room -= 1
+
+    def clean_up(self) -> None:
+        """Delete expired files (bytes and rows) and temporary files that killed writes left behind."""
+        try:
+            expired, leftovers = self.files.delete_expired(), self.files.sweep()
+        except OSError as exc:
+            log.warning("could not clean up the files folder %s (%s)", self.files.root, exc)
+            return
+        if expired or leftovers:
+            log.info("deleted %d expired file(s) and %d unfinished upload(s)", expired, leftovers)
 
     def shutdown(self, timeout_s: float | None = None) -> None:
         """Stop sending, let the lines in flight finish (at most ``timeout_s``, by default the lease), commit them
@@ -213,24 +231,47 @@ class JobRun:
         finally:
             self._wait_in_flight(self.feeder.settings.jobs_lease_s)
 
+    def _check(self, job: JobInfo) -> InputCheck:
+        s = self.feeder.settings
+        return InputCheck(job.endpoint, s.jobs_max_lines, s.max_body_bytes)
+
     def _validate(self, job: JobInfo) -> JobInfo | None:
+        """Check the input file in one pass that keeps nothing but its errors, then write its lines in a second
+        pass, as they are read: memory is one line and the custom_ids' digests, whatever the file's size."""
         now = self.feeder.clock()
-        info = self.feeder.files.get(job.tenant, job.input_file_id)
-        if info is None:
+        files = self.feeder.files
+        if files.get(job.tenant, job.input_file_id) is None:
             self.store.fail(job.id, self.feeder.owner, [LineError(0, "invalid_file", f"the input file "
                                                                    f"{job.input_file_id!r} does not exist")], now)
-            log.info("job %s failed: its input file %s was deleted", job.id, job.input_file_id)
+            log.info("job %s failed: its input file %s was deleted or expired", job.id, job.input_file_id)
             return None
-        with self.feeder.files.open(job.input_file_id) as f:
-            lines, errors = parse_input(f, job.endpoint, self.feeder.settings.jobs_max_lines)
+        errors = self._errors(job)
         if errors:
             self.store.fail(job.id, self.feeder.owner, errors, now)
             log.info("job %s failed validation: %d error(s), first: %s", job.id, len(errors), errors[0].message)
             return None
-        if not self.store.start(job.id, self.feeder.owner, lines, now):
+        with files.open(job.input_file_id) as f:
+            written = self.store.start(job.id, self.feeder.owner, self._unchanged(job, f), now)
+        if written is None:
             return self.store.get(job.id)  # cancelled meanwhile, or the lease was lost
-        log.info("job %s: %d lines to run against %s for tenant %s", job.id, len(lines), job.endpoint, job.tenant)
+        log.info("job %s: %d lines to run against %s for tenant %s", job.id, written, job.endpoint, job.tenant)
         return self.store.get(job.id)
+
+    def _errors(self, job: JobInfo) -> list[LineError]:
+        """The first pass: what is wrong with the file (its check, and the custom_ids it remembers, are let go
+        before the second pass remembers them again)."""
+        check = self._check(job)
+        with self.feeder.files.open(job.input_file_id) as f:
+            for _ in check.lines(f):
+                pass
+        return check.report()
+
+    def _unchanged(self, job: JobInfo, f: Any) -> Iterator[InputLine]:
+        """The lines of a file checked already; an error now (the file changed under us) undoes the writing."""
+        check = self._check(job)
+        yield from check.lines(f)
+        if check.report():
+            raise RuntimeError(f"the input file {job.input_file_id} changed while job {job.id} was validated")
 
     def _feed(self, job: JobInfo) -> str | None:
         """Send every pending line; returns how the job ends ("completed", "cancelled", "expired"), or None when
@@ -399,12 +440,13 @@ class JobRun:
 
         counts = self.store.counts(job.id)
         out_id = err_id = None
+        expires = job.output_expires_s
         if counts.get("ok"):
             out_id = output_file_id(job.id, "output")
-            self.feeder.files.put(out_id, job.tenant, "batch_output", f"{job.id}_output.jsonl", lines(True))
+            self.feeder.files.put(out_id, job.tenant, "batch_output", f"{job.id}_output.jsonl", lines(True), expires)
         if counts.get("error") or counts.get("pending"):
             err_id = output_file_id(job.id, "error")
-            self.feeder.files.put(err_id, job.tenant, "batch_output", f"{job.id}_error.jsonl", lines(False))
+            self.feeder.files.put(err_id, job.tenant, "batch_output", f"{job.id}_error.jsonl", lines(False), expires)
         if self.store.finish(job.id, owner, end, out_id, err_id, self.feeder.clock()):
             log.info("job %s %s: %d ok, %d errors, %d not run (%d answered here by the run of an earlier process)",
                      job.id, end, counts.get("ok", 0), counts.get("error", 0), counts.get("pending", 0),

@@ -2,10 +2,14 @@
 
 A job's lines carry their request id (``<job>-<line>``), which is their correlation id in the ledger: ``jobs show
 --lines`` lists each line with the batches that carried it.
+
+What a tenant wrote (custom_id, metadata, the errors that quote its lines) is printed through :func:`shown`: a
+control character or terminal escape in it is written as an escape sequence, never sent to the terminal.
 """
 from __future__ import annotations
 
 import json
+import unicodedata
 from datetime import datetime, timezone
 
 import click
@@ -23,6 +27,21 @@ def _store(admin: Admin) -> JobStore:
 
 def _when(epoch: float | None) -> str:
     return "-" if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="seconds")
+
+
+def shown(text: object) -> str:
+    """``text`` safe to print to a terminal: control characters (ESC, CR, ...) and other invisible formatting
+    characters as ``\\xNN`` / ``\\uNNNN`` escapes, everything else as it is."""
+    return "".join(_escaped(c) for c in str(text))
+
+
+def _escaped(c: str) -> str:
+    if c == "\\":
+        return "\\\\"  # so that an escape shown is never one the tenant typed
+    if unicodedata.category(c) not in ("Cc", "Cf", "Cs", "Zl", "Zp"):
+        return c
+    n = ord(c)
+    return f"\\x{n:02x}" if n < 0x100 else f"\\u{n:04x}" if n < 0x10000 else f"\\U{n:08x}"
 
 
 def _database_error(admin: Admin, exc: SQLAlchemyError) -> None:
@@ -57,8 +76,8 @@ def jobs_list(admin: Admin, tenant: str | None, status: str | None, limit: int, 
     click.echo(f"{'ID':36} {'TENANT':16} {'STATUS':12} {'DONE':>13} {'FAILED':>7}  {'CREATED':25} RUN BY")
     for j in found:
         done = f"{j.completed + j.failed}/{j.total}"
-        click.echo(f"{j.id:36} {j.tenant:16} {j.status:12} {done:>13} {j.failed:>7}  {_when(j.created_at):25} "
-                   f"{j.lease_owner or '-'}")
+        click.echo(f"{j.id:36} {shown(j.tenant):16} {j.status:12} {done:>13} {j.failed:>7}  "
+                   f"{_when(j.created_at):25} {shown(j.lease_owner or '-')}")
     if more:
         click.echo(f"(more: --limit {limit * 2})")
 
@@ -90,8 +109,8 @@ def jobs_show(admin: Admin, job_id: str, n_lines: int, as_json: bool) -> None:
     _print(job, counts)
     for row in rows:
         runs = ", ".join(row["batches"]) or "-"  # type: ignore[arg-type]
-        click.echo(f"  line {row['line']:>6}  {row['status']:8} {row['custom_id']}  request {row['request_id']}  "
-                   f"batches {runs}")
+        click.echo(f"  line {row['line']:>6}  {row['status']:8} {shown(row['custom_id'])}  request "
+                   f"{shown(row['request_id'])}  batches {shown(runs)}")
 
 
 def _batches(store: JobStore, request_ids: list[str]) -> dict[str, list[str]]:
@@ -109,7 +128,7 @@ def _batches(store: JobStore, request_ids: list[str]) -> dict[str, list[str]]:
 
 
 def _print(job: JobInfo, counts: dict[str, int]) -> None:
-    click.echo(f"{job.id}  {job.status}  tenant {job.tenant}  {job.endpoint}")
+    click.echo(f"{job.id}  {job.status}  tenant {shown(job.tenant)}  {job.endpoint}")
     click.echo(f"  lines: {job.total} ({', '.join(f'{n} {s}' for s, n in sorted(counts.items())) or 'none yet'}); "
                f"completed {job.completed}, failed {job.failed}")
     click.echo(f"  input {job.input_file_id}  output {job.output_file_id or '-'}  errors {job.error_file_id or '-'}")
@@ -120,9 +139,11 @@ def _print(job: JobInfo, counts: dict[str, int]) -> None:
                                   ("expires", job.expires_at)) if v is not None]
     click.echo("  " + "; ".join(f"{k} {_when(v)}" for k, v in stamps))
     if job.lease_owner:
-        click.echo(f"  run by {job.lease_owner} (lease until {_when(job.lease_until)})")
+        click.echo(f"  run by {shown(job.lease_owner)} (lease until {_when(job.lease_until)})")
+    if job.metadata:
+        click.echo(f"  metadata {shown(json.dumps(job.metadata, ensure_ascii=False))}")
     for error in job.errors or []:
-        click.echo(f"  error: line {error.get('line')}: {error.get('code')}: {error.get('message')}")
+        click.echo(f"  error: line {error.get('line')}: {shown(error.get('code'))}: {shown(error.get('message'))}")
 
 
 @jobs.command("cancel")

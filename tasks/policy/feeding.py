@@ -16,10 +16,12 @@ congestion window:
   answered together, so their refusals count as one signal: only a line sent after the last cut cuts again.
 
 :func:`verdict` says what an answer means for its line: final (written to the output or error file), or sent
-again (and after how many tries a line stops being sent and its last error becomes final).
+again (and after how many tries a line stops being sent and its last error becomes final). :func:`pick_jobs` says
+which waiting job a free slot of ``llmb-jobs`` takes: the next of the tenant running fewest.
 """
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -131,3 +133,26 @@ class FeedControl:
         self.window = max(float(self.floor), self.window / 2)
         self.cut_at = now
         return True
+
+
+def pick_jobs(waiting: Sequence[tuple[str, str]], running: Mapping[str, int], room: int) -> list[str]:
+    """Which waiting jobs to take for ``room`` free slots, in the order to take them: each next one from the
+    tenant with the fewest jobs running (the ones picked here counted), a tie going to the oldest job.
+
+    ``waiting`` is (job id, tenant) of jobs nobody runs; ids sort by creation time (oldest first). ``running`` is
+    each tenant's jobs running now, in every llmb-jobs process. Taking the oldest job of all instead lets one
+    tenant that submitted eight large jobs first hold every slot while the others' jobs wait behind them."""
+    queues: dict[str, list[str]] = {}
+    for job_id, tenant in sorted(waiting):
+        queues.setdefault(tenant, []).append(job_id)
+    for ids in queues.values():
+        ids.reverse()  # oldest last: popped first
+    counts = {tenant: running.get(tenant, 0) for tenant in queues}
+    chosen: list[str] = []
+    while len(chosen) < room and queues:
+        tenant = min(queues, key=lambda t: (counts[t], queues[t][-1]))
+        chosen.append(queues[tenant].pop())
+        counts[tenant] += 1
+        if not queues[tenant]:
+            del queues[tenant]
+    return chosen

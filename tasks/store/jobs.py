@@ -12,7 +12,8 @@ A job's life::
   and renewed by compare-and-set ``UPDATE`` statements, so on SQLite and PostgreSQL alike one process wins). A
   process that dies stops renewing; the lease lapses and another process (or the same one restarted) takes the
   job over where it stood.
-- **Lines.** Validation writes every line (``pending``) and moves the job to ``in_progress`` in one transaction.
+- **Lines.** Validation writes every line (``pending``) and moves the job to ``in_progress`` in one transaction,
+  taking the lines one at a time from the file as it is read (a job's size is never held in memory).
   A line is finished once its output row is committed (``ok`` or ``error``, with the output file line it
   produced); :meth:`JobStore.record` only ever moves a line out of ``pending``, so it is written once, whoever
   ran it and however often. A job resumed after a crash sends only the lines still pending.
@@ -22,7 +23,7 @@ A job's life::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -31,13 +32,14 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from tasks.config import Settings
-from tasks.policy.batchfile import COMPLETION_WINDOWS, InputLine, LineError, line_request_id, new_id
+from tasks.policy.batchfile import COMPLETION_WINDOWS, MAX_ERRORS, InputLine, LineError, line_request_id, new_id
 from tasks.store.models import BatchJobRecord, BatchLineRecord, make_engine
 
 ACTIVE = ("validating", "in_progress", "finalizing", "cancelling")  # a job some llmb-jobs process must run
 CANCELLABLE = ("validating", "in_progress")
 FINAL = ("completed", "failed", "cancelled", "expired")
-INSERT_CHUNK = 1000
+INSERT_CHUNK = 500  # lines written per statement...
+INSERT_CHUNK_BYTES = 1024 * 1024  # ...or fewer, when their bodies add up to this much
 
 
 @dataclass(frozen=True)
@@ -66,6 +68,7 @@ class JobInfo:
     cancelled_at: float | None
     lease_owner: str | None
     lease_until: float | None
+    output_expires_s: int | None = None  # its output files' expiry after their creation (None: the default)
 
     def to_openai(self) -> dict[str, Any]:
         """OpenAI's Batch object."""
@@ -123,7 +126,7 @@ def _job(r: BatchJobRecord) -> JobInfo:
         error_file_id=r.error_file_id, created_at=r.created_at, expires_at=r.expires_at,
         in_progress_at=r.in_progress_at, finalizing_at=r.finalizing_at, completed_at=r.completed_at,
         failed_at=r.failed_at, expired_at=r.expired_at, cancelling_at=r.cancelling_at, cancelled_at=r.cancelled_at,
-        lease_owner=r.lease_owner, lease_until=r.lease_until)
+        lease_owner=r.lease_owner, lease_until=r.lease_until, output_expires_s=r.output_expires_s)
 
 
 class JobStore:
@@ -136,12 +139,13 @@ class JobStore:
 
     # -- the API's side ----------------------------------------------------------------------------------
     def create(self, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-               metadata: dict[str, Any] | None, now: float) -> JobInfo:
+               metadata: dict[str, Any] | None, now: float, output_expires_s: int | None = None) -> JobInfo:
         record = BatchJobRecord(
             id=new_id("batch_", now), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
             completion_window=completion_window, status="validating",
             meta=json.dumps(metadata) if metadata is not None else None, total=0, completed=0, failed=0,
-            created_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window])
+            created_at=now, expires_at=now + COMPLETION_WINDOWS[completion_window],
+            output_expires_s=output_expires_s)
         with Session(self.engine) as session, session.begin():
             session.add(record)
             session.flush()
@@ -188,6 +192,26 @@ class JobStore:
         with Session(self.engine) as session:
             return list(session.scalars(query))
 
+    def waiting(self, now: float, per_tenant: int) -> list[tuple[str, str]]:
+        """(id, tenant) of the jobs that need running and that no live process holds: each tenant's
+        ``per_tenant`` oldest, oldest first (what :func:`tasks.policy.feeding.pick_jobs` chooses from; a tenant
+        with thousands of jobs waiting does not push the others' out of the answer)."""
+        j = BatchJobRecord
+        rank = func.row_number().over(partition_by=j.tenant, order_by=j.id).label("rank")
+        inner = (select(j.id, j.tenant, rank)
+                 .where(j.status.in_(ACTIVE), or_(j.lease_until.is_(None), j.lease_until < now)).subquery())
+        query = select(inner.c.id, inner.c.tenant).where(inner.c.rank <= per_tenant).order_by(inner.c.id)
+        with Session(self.engine) as session:
+            return [(job_id, tenant) for job_id, tenant in session.execute(query)]
+
+    def running_by_tenant(self, now: float) -> dict[str, int]:
+        """Jobs held under a live lease now, by tenant, whichever process holds them."""
+        j = BatchJobRecord
+        query = (select(j.tenant, func.count()).where(j.status.in_(ACTIVE), j.lease_until >= now)
+                 .group_by(j.tenant))
+        with Session(self.engine) as session:
+            return {tenant: int(n) for tenant, n in session.execute(query)}
+
     def claim(self, job_id: str, owner: str, now: float, lease_s: float) -> bool:
         """Take the job's lease, if it is free (never held, lapsed, or ours already)."""
         j = BatchJobRecord
@@ -217,25 +241,39 @@ class JobStore:
                          .values(lease_owner=None, lease_until=None))
 
     # -- the feeder's side: a job's progress -------------------------------------------------------------
-    def start(self, job_id: str, owner: str, lines: Sequence[InputLine], now: float) -> bool:
-        """Write a validated job's lines and move it to ``in_progress``, in one transaction (False, and nothing
-        written, when ``owner`` no longer holds it or it is no longer validating)."""
+    def start(self, job_id: str, owner: str, lines: Iterable[InputLine], now: float) -> int | None:
+        """Write a validated job's lines and move it to ``in_progress``, in one transaction; returns the lines
+        written (None, and nothing written, when ``owner`` no longer holds it or it is no longer validating).
+        ``lines`` is consumed as it is written, a chunk at a time: an exception it raises undoes everything."""
         j, ln = BatchJobRecord, BatchLineRecord
+        total = 0
         with self.engine.begin() as conn:
             moved = conn.execute(update(j).where(j.id == job_id, j.lease_owner == owner, j.status == "validating")
-                                 .values(status="in_progress", in_progress_at=now, total=len(lines)))
+                                 .values(status="in_progress", in_progress_at=now))
             if moved.rowcount != 1:
-                return False
-            rows = [{"job_id": job_id, "line_no": x.line_no, "custom_id": x.custom_id,
-                     "request_id": line_request_id(job_id, x.line_no), "body": json.dumps(x.body),
-                     "status": "pending", "attempts": 0} for x in lines]
-            for start in range(0, len(rows), INSERT_CHUNK):
-                conn.execute(insert(ln), rows[start:start + INSERT_CHUNK])
-        return True
+                return None
+            rows: list[dict[str, Any]] = []
+            size = 0
+            for x in lines:
+                body = json.dumps(x.body)
+                rows.append({"job_id": job_id, "line_no": x.line_no, "custom_id": x.custom_id,
+                             "request_id": line_request_id(job_id, x.line_no), "body": body, "status": "pending",
+                             "attempts": 0})
+                size += len(body)
+                if len(rows) >= INSERT_CHUNK or size >= INSERT_CHUNK_BYTES:
+                    conn.execute(insert(ln), rows)
+                    total, rows, size = total + len(rows), [], 0
+            if rows:
+                conn.execute(insert(ln), rows)
+                total += len(rows)
+            conn.execute(update(j).where(j.id == job_id).values(total=total))
+        return total
 
     def fail(self, job_id: str, owner: str, errors: Sequence[LineError], now: float) -> bool:
-        """A job whose input is invalid: ``failed``, with OpenAI's ``errors`` list."""
+        """A job whose input is invalid: ``failed``, with OpenAI's ``errors`` list (at most MAX_ERRORS and the
+        count of the rest: it is in every listing of the tenant's batches)."""
         j = BatchJobRecord
+        errors = list(errors[:MAX_ERRORS + 1])
         with self.engine.begin() as conn:
             done = conn.execute(update(j).where(j.id == job_id, j.lease_owner == owner, j.status == "validating")
                                 .values(status="failed", failed_at=now, lease_owner=None, lease_until=None,

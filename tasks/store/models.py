@@ -161,6 +161,7 @@ class FileRecord(Base):
     filename: Mapped[str] = mapped_column(StorableString(255))
     bytes: Mapped[int] = mapped_column(BigInteger)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    expires_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), index=True)  # None: never
 
 
 class BatchJobRecord(Base):
@@ -192,6 +193,7 @@ class BatchJobRecord(Base):
     cancelled_at: Mapped[float | None] = mapped_column(Float)
     lease_owner: Mapped[str | None] = mapped_column(String(128))
     lease_until: Mapped[float | None] = mapped_column(Float)  # epoch seconds on the fleet's shared clock
+    output_expires_s: Mapped[int | None] = mapped_column(Integer)  # its output files' expiry (None: the default)
 
 
 class BatchLineRecord(Base):
