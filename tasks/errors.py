@@ -50,6 +50,16 @@ class IdempotencyInProgress(IdempotencyConflict):
     type = "idempotency_in_progress"
 
 
+class RecordUnreadable(BatchingError):
+    """Raised when a call's record (asked for by ``GET /v1/requests/<id>``, or named by an Idempotency-Key) is
+    in Redis but cannot be read: written by a newer version of the service, or damaged. The call is never run
+    again on its key's account (it may have run), so this is a conflict with what is stored, not a failure to
+    retry blindly: after a rolling upgrade a newer process reads it; otherwise a new key runs the call anew."""
+
+    status = 409
+    type = "record_unreadable"
+
+
 class PayloadTooLarge(BatchingError):
     """Raised when a body exceeds the configured size limit."""
 

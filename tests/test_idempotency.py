@@ -7,11 +7,13 @@ read from the workers' own items-done counter in Redis, once nothing is left in 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import signal
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -291,14 +293,100 @@ def test_a_claim_whose_process_died_before_publishing_is_taken_over_at_once() ->
         client.zadd(leases, {"alive": now + 60})
         for instance, publish, taken_over in (("dead", False, True), ("dead", True, False), ("alive", False, False)):
             idem = Idempotency(f"key-{instance}-{publish}", "body")
-            first = record(uuid.uuid4().hex, instance)
+            first = replace(record(uuid.uuid4().hex, instance), key_hash=idem.key_hash)
             assert requests_.claim(first, idem, now).claimed
             if publish:
                 requests_.published([first])
             assert requests_.peek("t", idem).claimed is taken_over
-            retry = requests_.claim(record(uuid.uuid4().hex, "retrier"), idem, now)
+            retry = requests_.claim(replace(record(uuid.uuid4().hex, "retrier"), key_hash=idem.key_hash), idem, now)
             assert retry.claimed is taken_over, (instance, publish)
             if not taken_over:
                 assert retry.view is not None and retry.view.record.request_id == first.request_id
     finally:
         client.delete(*client.keys(f"{keys.namespace}:*") or ["none"])
+
+
+# -- a key's promise does not depend on request ids (issue 24, item 6) ------------------------------------------
+def test_a_reused_request_id_never_takes_a_keys_call_away(keyed: Stack, keys: dict[str, str]) -> None:
+    """As a tracer or a proxy in front of us does: every call of one pooled session carries the same X-Request-Id.
+    Call 1 (key order-1), call 2 (key order-2), then a retry of call 1: it gets call 1's answer and does not run
+    again; so does a retry of call 2 after a call without a key reused the id too; and another tenant's same key
+    and id are its own call. GET /v1/requests/<id> names the latest call with the id."""
+    a, b, tag = keys["team-a"], keys["team-b"], uuid.uuid4().hex[:8]
+    rid, order1, order2 = f"trace-{tag}", f"order-1-{tag}", f"order-2-{tag}"
+    before = keyed.items_done()
+    with requests.Session() as session:
+        def call(key: str, idem: str | None, text: str) -> requests.Response:
+            answer = session.post(f"{keyed.url}/v1/infer", json={"input": text},
+                                  headers=headers(key, idem, **{"X-Request-Id": rid}), timeout=30)
+            assert answer.status_code == 200, answer.text
+            return answer
+
+        first, second = call(a, order1, "order one"), call(a, order2, "order two")
+        retry = call(a, order1, "order one")
+        assert retry.headers["Idempotent-Replayed"] == "true" and retry.json() == first.json()
+        assert retry.json()["output"] == expected("order one") and second.json()["output"] == expected("order two")
+        assert ran(keyed, before) == 2, "the retry of call 1 ran again"
+
+        unkeyed = call(a, None, "no key")  # a call without a key, the same id again
+        again = call(a, order2, "order two")
+        assert again.headers["Idempotent-Replayed"] == "true" and again.json() == second.json()
+        latest = session.get(f"{keyed.url}/v1/requests/{rid}", headers=headers(a), timeout=10).json()
+        assert latest["response"]["body"] == unkeyed.json()
+
+        theirs = call(b, order1, "order one")  # another tenant: the same key and id are its own call
+        assert "Idempotent-Replayed" not in theirs.headers
+        assert call(b, order1, "order one").json() == theirs.json()
+        assert call(a, order1, "order one").json() == first.json()
+    assert ran(keyed, before) == 4  # order-1, order-2, the call without a key, team-b's order-1
+
+
+def record_key_of(stack: Stack, tenant: str, key: str) -> str:
+    """Where the record of the call a tenant's key names lives, as its claim says (claims written before records
+    lived under their key name none: the record is under its request id)."""
+    claim = json.loads(stack.redis.get(idem_key(stack, tenant, key)) or b"{}")
+    return str(claim.get("record") or f"{stack.namespace}:request:{tenant}:{claim['request_id']}")
+
+
+def test_a_record_that_cannot_be_read_is_a_clear_409_and_its_call_never_runs_again(keyed: Stack,
+                                                                                    keys: dict[str, str]) -> None:
+    """A damaged record, or one a newer version wrote in a newer format (a rolling upgrade): GET /v1/requests/<id>
+    and every retry of its key get 409 record_unreadable in their route's shape, not a 500 or a 503 that blames
+    Redis; the call is not run again, and once the record is readable the retry gets the first answer."""
+    a, key, rid = keys["team-a"], uuid.uuid4().hex, f"damaged-{uuid.uuid4().hex[:8]}"
+    before = keyed.items_done()
+    first = post(keyed.url, {"input": "damaged"}, headers=headers(a, key, **{"X-Request-Id": rid}))
+    assert first.status_code == 200, first.text
+    at = record_key_of(keyed, "team-a", key)
+    original = keyed.redis.get(at)
+    assert original is not None
+    newer = json.dumps({**json.loads(original), "v": 2, "items": {"moved": "elsewhere"}})
+    for damage, says in ((b'{"request_id": "dam', "not JSON"), (newer.encode(), "format 2")):
+        keyed.redis.set(at, damage, keepttl=True)
+        looked = assert_json_error(requests.get(f"{keyed.url}/v1/requests/{rid}", headers=headers(a), timeout=10),
+                                   409, "record_unreadable")
+        assert says in looked["message"] and rid in looked["message"]
+        retried = assert_json_error(post(keyed.url, {"input": "damaged"}, headers=headers(a, key)), 409,
+                                    "record_unreadable")
+        assert says in retried["message"] and "new Idempotency-Key" in retried["message"]
+    keyed.redis.set(at, original, keepttl=True)
+    healed = post(keyed.url, {"input": "damaged"}, headers=headers(a, key))
+    assert healed.json() == first.json() and healed.headers["Idempotent-Replayed"] == "true"
+    assert ran(keyed, before) == 1
+
+    # a call without a key: its record is under its request id
+    plain = f"plain-{uuid.uuid4().hex[:8]}"
+    assert post(keyed.url, {"input": "plain"}, headers=headers(a, **{"X-Request-Id": plain})).status_code == 200
+    keyed.redis.set(f"{keyed.namespace}:request:team-a:{plain}", b"\xff\xfe garbage", keepttl=True)
+    assert_json_error(requests.get(f"{keyed.url}/v1/requests/{plain}", headers=headers(a), timeout=10), 409,
+                      "record_unreadable")
+
+
+def test_an_openai_retry_of_an_unreadable_record_is_a_409_in_openai_shape(keyed: Stack, keys: dict[str, str]) -> None:
+    client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=keys["team-a"], max_retries=0, timeout=60)
+    key, args = uuid.uuid4().hex, {"model": LM, "prompt": "Once", "max_tokens": 4, "temperature": 0}
+    client.completions.create(**args, extra_headers={"Idempotency-Key": key})
+    keyed.redis.set(record_key_of(keyed, "team-a", key), b"[1, 2", keepttl=True)
+    with pytest.raises(openai.ConflictError) as unreadable:
+        client.completions.create(**args, extra_headers={"Idempotency-Key": key})
+    assert unreadable.value.code == "record_unreadable" and unreadable.value.body["param"] is None  # type: ignore[index]

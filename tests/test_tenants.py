@@ -184,6 +184,19 @@ def test_tenant_settings_are_validated_and_fall_back_to_defaults(store: KeyStore
     assert store.list_tenants()[2] == TenantPolicy("with-key-only", 1.0, 100, Priority.INTERACTIVE)
 
 
+def test_a_number_no_column_holds_is_invalid_input_with_a_short_message(sqlite_store: KeyStore) -> None:
+    """JSON integers have no size limit: 400 digits used to reach float() and raise OverflowError (a 500)."""
+    for bad in ({"weight": 10**400}, {"weight": -(10**400)}, {"max_in_flight": 10**400}, {"max_in_flight": 2**31},
+                {"weight": 10**5000}):
+        with pytest.raises(InvalidInput) as info:
+            sqlite_store.set_tenant("team-a", **bad)  # type: ignore[arg-type]
+        assert "must be" in info.value.message and len(info.value.message) < 120, info.value.message
+    with pytest.raises(InvalidInput, match="not a 401-digit integer"):
+        sqlite_store.set_tenant("team-a", weight=10**400)
+    assert sqlite_store.set_tenant("team-a", weight=1000, max_in_flight=2**31 - 1).weight == 1000.0
+    assert [p.name for p in sqlite_store.list_tenants()] == ["team-a"]
+
+
 # -- the directory: the cache every API request goes through ----------------------------------------------
 def test_a_revoked_key_works_until_the_ttl_then_never(sqlite_store: KeyStore) -> None:
     clock = FakeClock()

@@ -45,10 +45,11 @@ def _json_object() -> dict[str, Any]:
 
 @bp.get("/tenants")
 def list_tenants() -> Response:
-    now = services().gateway.clock()
-    admission = services().gateway.admission
-    return jsonify(tenants=[{**asdict(p), "in_flight": admission.tenant_in_flight(p.name, now)}
-                            for p in services().keys.list_tenants()])
+    gateway = services().gateway
+    tenants, now = services().keys.list_tenants(), gateway.clock()
+    # Redis away: 503, as every route that reads it through the gateway answers (not a 500)
+    in_flight = gateway.redis_call(lambda: [gateway.admission.tenant_in_flight(p.name, now) for p in tenants])
+    return jsonify(tenants=[{**asdict(p), "in_flight": n} for p, n in zip(tenants, in_flight)])
 
 
 @bp.put("/tenants/<name>")
@@ -97,5 +98,6 @@ def revoke_key(key_id: str) -> Response:
 @bp.get("/stats")
 def stats() -> Response:
     gateway = services().gateway
-    return jsonify(models=model_report(gateway.admission, gateway.live_workers(), gateway.clock(),
-                                       services().settings.scale_headroom))
+    workers, now = gateway.live_workers(), gateway.clock()  # the fleet may come from cache: the report reads Redis
+    return jsonify(models=gateway.redis_call(lambda: model_report(gateway.admission, workers, now,
+                                                                  services().settings.scale_headroom)))

@@ -2,7 +2,13 @@
 written in the body shape of the API family that was called (an :class:`ErrorShape`).
 
 * native: ``{"error": {"type", "message", "request_id"}}``
-* OpenAI-compatible: ``{"error": {"message", "type", "param", "code"}}`` (what the official client parses)
+* OpenAI-compatible: ``{"error": {"message", "type", "param", "code"}}`` (what the official client parses), for
+  every path under ``/v1/`` but the native routes (:data:`NATIVE_ROUTES`): the OpenAI routes and the Batch API,
+  and any path the openai client may try that is not served here (``/v1/responses``, ``/v1/audio/...``)
+
+The family is chosen by path (:func:`shape_for`), not only by the blueprint that handled the request: a 404 or 405
+found by routing, and an unexpected exception, belong to no blueprint's handler, yet the openai client calling
+``DELETE /v1/chat/completions`` or ``GET /v1/batches/x/y`` parses its family's shape all the same.
 
 No HTML page and no stack trace ever reaches a caller: unexpected exceptions are logged and answered 500.
 """
@@ -13,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
-from flask import Blueprint, Flask, Response, current_app, g, jsonify
-from werkzeug.exceptions import HTTPException
+from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
 
 from tasks.errors import BatchingError
 
@@ -29,6 +35,11 @@ OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: 
                 413: "invalid_request_error", 422: "invalid_request_error", 429: "rate_limit_error",
                 503: "service_unavailable", 504: "timeout"}
 
+# The native API under /v1: these paths and everything under them, matched or not; the rest of /v1 is OpenAI's
+# (webapp.openai_api, webapp.batch_api, and what the openai client may ask for that is not served here).
+# tests/test_error_shapes.py checks every route of the app against it.
+NATIVE_ROUTES = ("/v1/infer", "/v1/requests", "/v1/admin")
+
 
 def error_body(type_: str, message: str, request_id: str | None) -> dict[str, object]:
     """The shape of every error of the native API."""
@@ -37,8 +48,8 @@ def error_body(type_: str, message: str, request_id: str | None) -> dict[str, ob
 
 def openai_error_body(status: int, code: str, message: str) -> dict[str, object]:
     """The shape of every error of the OpenAI-compatible routes (what the official client parses)."""
-    return {"error": {"message": message, "type": OPENAI_TYPES.get(status, "server_error"), "param": None,
-                      "code": code}}
+    kind = OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": None, "code": code}}
 
 
 @dataclass(frozen=True)
@@ -80,15 +91,34 @@ def exception_response(exc: Exception, shape: ErrorShape = NATIVE) -> Response:
         message = exc.description or exc.name
         if status == 413:
             message = f"request body larger than {current_app.config['MAX_CONTENT_LENGTH']} bytes"
-        return error_response(status, shape.http_type(status, exc), message, shape=shape)
+        allowed = sorted(exc.valid_methods or ()) if isinstance(exc, MethodNotAllowed) else None
+        if allowed:  # a 405 says what the path takes, in its message and its Allow header
+            message = f"{request.method} is not allowed on {request.path}; it takes {', '.join(allowed)}"
+        elif isinstance(exc, NotFound) and request.url_rule is None:  # routing's, not a view's "no such batch"
+            message = f"unrecognised request URL ({request.method} {request.path}): no route of this service has it"
+        response = error_response(status, shape.http_type(status, exc), message, shape=shape)
+        if allowed:
+            response.headers["Allow"] = ", ".join(allowed)
+        return response
     log.exception("unhandled error", extra={"request_id": g.get("request_id")})
     return error_response(500, "internal_error", "internal error; the request id is in the server log", shape=shape)
 
 
-def register_error_handlers(scope: Flask | Blueprint, shape: ErrorShape = NATIVE) -> None:
-    """Answer ``scope``'s failures in ``shape``. Only the app catches every Exception (a blueprint's unexpected
-    errors reach the app's handler)."""
-    handler = partial(exception_response, shape=shape)
+def shape_for(path: str) -> ErrorShape:
+    """The error shape of the route family ``path`` belongs to, whether or not it matched a route."""
+    if not path.startswith("/v1/") or any(path == route or path.startswith(route + "/") for route in NATIVE_ROUTES):
+        return NATIVE
+    return OPENAI
+
+
+def _by_path(exc: Exception) -> Response:
+    return exception_response(exc, shape_for(request.path))
+
+
+def register_error_handlers(scope: Flask | Blueprint, shape: ErrorShape | None = None) -> None:
+    """Answer ``scope``'s failures in ``shape`` (None: the shape of the family of the path called). Only the app
+    catches every Exception, and routing's 404 and 405 (a blueprint's unexpected errors reach the app's handler)."""
+    handler = _by_path if shape is None else partial(exception_response, shape=shape)
     scope.register_error_handler(BatchingError, handler)
     scope.register_error_handler(HTTPException, handler)
     if isinstance(scope, Flask):

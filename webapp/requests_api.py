@@ -6,6 +6,11 @@
 ``response`` (once finished) holds the status and the very body the call was answered with, in its route's
 shape (a stream's: the non-streamed equivalent). Another tenant's id, an unknown one and an expired one are all
 404: whether a call exists is its tenant's business.
+
+The id is the request id (the caller's X-Request-Id, or the one generated for it), and a reused one names the
+tenant's latest call with it. That is a convenience for reading a call again, nothing more: what an Idempotency-Key
+answers is kept under the key (:mod:`tasks.state.requests`), so no reuse of an id changes it. A record this version
+cannot read is a 409 ``record_unreadable`` (:class:`tasks.errors.RecordUnreadable`), not a 500.
 """
 from __future__ import annotations
 

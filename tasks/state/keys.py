@@ -19,8 +19,12 @@ key                                       type    what
 ``:loaded``)
 ``<ns>:claim:<batch id>``                 string  who runs a batch (:mod:`tasks.state.claims`)
 ``<ns>:result:<item id>``                 string  an item's answer, JSON (:mod:`tasks.state.results`)
-``<ns>:request:<tenant>:<request id>``    string  a call: its items, shape, outcome (:mod:`tasks.state.requests`)
-``<ns>:idem:<tenant>:<sha256(key)>``      string  an Idempotency-Key's claim: body hash, request id
+``<ns>:request:<tenant>:<request id>``    string  a call without an Idempotency-Key: its items, shape, outcome
+                                                  (:mod:`tasks.state.requests`); for a call with one, a pointer
+                                                  to its record (below); a reused id names its latest call
+``<ns>:idem:<tenant>:<sha256(key)>``      string  an Idempotency-Key's claim: body hash, request id, record key
+``<ns>:idem:<tenant>:<sha256(key)>:record`` string the record of the call the key names, kept under the key so
+                                                  that no reuse of its request id can replace it
 ``<ns>:replies:<instance>``               channel wake-ups (and streamed text) for one API process
 ``<ns>:cancel``                           channel item ids whose callers went away
 ``<ns>:stats:<counter>``                  string  system-wide counters (items_done, tokens, ...)
@@ -71,6 +75,10 @@ class Keys:
 
     def idempotency(self, tenant: str, key_hash: str) -> str:
         return self._key("idem", tenant, key_hash)
+
+    def idempotent_record(self, tenant: str, key_hash: str) -> str:
+        """The record of the call an Idempotency-Key names: keyed by (tenant, key), never by the request id."""
+        return self._key("idem", tenant, key_hash, "record")
 
     def replies(self, instance: str) -> str:
         return self._key("replies", instance)

@@ -33,8 +33,15 @@ from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from tasks.config import Settings
-from tasks.errors import Unauthorized, Unavailable
-from tasks.policy.tenancy import Principal, TenantPolicy, check_priority, check_tenant_name
+from tasks.errors import InvalidInput, Unauthorized, Unavailable
+from tasks.policy.tenancy import (
+    MAX_IN_FLIGHT,
+    MAX_WEIGHT,
+    Principal,
+    TenantPolicy,
+    check_priority,
+    check_tenant_name,
+)
 from tasks.schema import Priority
 from tasks.store.models import ApiKeyRecord, TenantRecord, make_engine
 
@@ -161,9 +168,9 @@ class KeyStore:
         check_tenant_name(name)
         changes: dict[str, object] = {}
         if weight is not None:
-            changes["weight"] = float(weight)
+            weight = changes["weight"] = _as_weight(weight)
         if max_in_flight is not None:
-            changes["max_in_flight"] = int(max_in_flight)
+            max_in_flight = changes["max_in_flight"] = _as_cap(max_in_flight)
         if priority is not None:
             changes["priority"] = check_priority(priority).value
         TenantPolicy(name, weight if weight is not None else self.defaults.weight,
@@ -202,6 +209,36 @@ class KeyStore:
                 log.warning("tenant %s has unknown priority %r; using %s", name, record.priority, d.priority)
         return TenantPolicy(name, record.weight if record.weight is not None else d.weight,
                             record.max_in_flight if record.max_in_flight is not None else d.max_in_flight, priority)
+
+
+def _as_weight(value: float) -> float:
+    """A weight as its float column holds it. JSON (and Python) integers have no size limit: one too large for a
+    float is out of range like any other, an InvalidInput saying the range, never an OverflowError (a 500)."""
+    try:
+        weight = float(value)
+    except OverflowError:
+        weight = math.inf
+    if not (0 < weight <= MAX_WEIGHT and math.isfinite(weight)):
+        raise InvalidInput(f"weight must be a number more than 0 and at most {MAX_WEIGHT:g}, not {_shown(value)}")
+    return weight
+
+
+def _as_cap(value: int) -> int:
+    """An in-flight cap, checked before it reaches the 32-bit column (or a message 400 digits long)."""
+    cap = int(value)
+    if not 1 <= cap <= MAX_IN_FLIGHT:
+        raise InvalidInput(f"max_in_flight must be from 1 to {MAX_IN_FLIGHT}, not {_shown(value)}")
+    return cap
+
+
+def _shown(value: float) -> str:
+    """A number as an error message quotes it: a huge one by its size, not its hundreds of digits."""
+    if isinstance(value, int) and value.bit_length() > 64:
+        try:
+            return f"a {len(str(abs(value)))}-digit integer"
+        except ValueError:  # past Python's limit on converting integers to text
+            return f"an integer of {value.bit_length()} bits"
+    return repr(value)
 
 
 # -- the hot path -------------------------------------------------------------------------------------------
