@@ -5,7 +5,8 @@
 
 ``--gpu N`` sets CUDA_VISIBLE_DEVICES=N before any model code is imported, so the process sees exactly one
 device (it runs on the CPU where there is none). By default the command supervises the worker process and
-restarts it if the model kills it (see :mod:`gpu_worker.supervisor`).
+restarts it if the model kills it (see :mod:`gpu_worker.supervisor`). A second worker for a device that a live
+worker holds refuses to start, naming the holder, with exit code 3 (see :mod:`gpu_worker.device_lock`).
 """
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     from gpu_worker.backends import load_backend
     from gpu_worker.cancellations import Cancellations
+    from gpu_worker.device_lock import DeviceLock, DeviceTaken
     from gpu_worker.drain import empty_queue, hear_sigterm_once
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
     from gpu_worker.runner import HOST_THREADS, BatchRunner, WorkerState
-    from gpu_worker.supervisor import CANNOT_START
+    from gpu_worker.supervisor import CANNOT_START, DEVICE_TAKEN
     from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.broker.queues import recovery_queue
     from tasks.config import Settings
@@ -69,15 +71,23 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     settings = Settings.from_env()
     setup_logging(settings)
+    queue = queue or settings.gpu_queue(host, device)
+    worker_id = f"gpu{device}@{host}"
+    client = redis_client(settings, socket_timeout=5, socket_connect_timeout=2)
+    # Before the model loads, and before anything is written under this worker's name (heartbeat, queue,
+    # Celery's remote-control queue): one worker per device.
+    device_lock = DeviceLock.from_settings(settings, worker_id, queue, client)
+    try:
+        device_lock.acquire()
+    except DeviceTaken as exc:
+        click.echo(f"gpu-worker: {exc}", err=True)
+        sys.exit(DEVICE_TAKEN if exc.alive else 1)  # looks dead: the supervisor tries again after a pause
     try:
         model_backend = load_backend(backend, settings, model, device)
     except Exception as exc:  # a worker that cannot load its model must not start half-alive
         click.echo(f"gpu-worker: cannot load backend {backend!r}: {exc}", err=True)
         sys.exit(CANNOT_START)
 
-    queue = queue or settings.gpu_queue(host, device)
-    worker_id = f"gpu{device}@{host}"
-    client = redis_client(settings, socket_timeout=5, socket_connect_timeout=2)
     app = make_celery(settings)
     state = WorkerState(clock=SharedClock.from_settings(settings, client))
     stats = Stats.from_settings(settings, client)
@@ -140,6 +150,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
                          "--without-gossip", "--without-mingle", "--task-events"])
     finally:
         ledger.close()
+        device_lock.release()  # after leave(): the next worker for this device finds everything handed back
         close = getattr(model_backend, "close", None)
         if close is not None:
             close()

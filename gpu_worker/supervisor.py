@@ -2,11 +2,12 @@
 
 A model can take its process down (an out-of-memory kill, a segfault in a kernel, a poison input). The
 supervisor runs the real worker as a child and restarts it when it dies, with a growing pause between quick
-failures. It restarts a child that exits with any code but the "cannot start" one (for example a model that
-cannot be loaded: a worker must never be half-alive), a clean exit 0 included: a worker told to shut down by
-anyone but this supervisor (Celery's remote ``shutdown`` control, sent through Flower or ``celery control``)
-must not take its device out of the fleet for good. Only SIGTERM or SIGINT to the supervisor itself stops it:
-they are passed to the child, and end the supervisor with it.
+failures. It restarts a child that exits with any code but the two final ones: ``CANNOT_START`` (for example a
+model that cannot be loaded: a worker must never be half-alive) and ``DEVICE_TAKEN`` (another live worker holds
+this device, :mod:`gpu_worker.device_lock`: a second start would be refused the same way). A clean exit 0 is
+restarted too: a worker told to shut down by anyone but this supervisor (Celery's remote ``shutdown`` control,
+sent through Flower or ``celery control``) must not take its device out of the fleet for good. Only SIGTERM or
+SIGINT to the supervisor itself stops it: they are passed to the child, and end the supervisor with it.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from types import FrameType
 log = logging.getLogger("llmb.supervisor")
 
 CANNOT_START = 2  # exit code of a worker that must not be restarted as is
+DEVICE_TAKEN = 3  # exit code of a worker refused because another live worker holds its device
+FINAL = (CANNOT_START, DEVICE_TAKEN)  # exit codes the supervisor passes on instead of restarting
 PR_SET_PDEATHSIG = 1  # prctl(2): the signal a process gets when its parent dies
 BACKOFF_S = (0.2, 1.0, 2.0, 5.0, 10.0, 30.0)
 STABLE_AFTER_S = 60.0  # a child that ran this long resets the backoff
@@ -45,7 +48,8 @@ def _stop_with(supervisor_pid: int) -> Callable[[], None]:
 
 
 def supervise(argv: Sequence[str]) -> int:
-    """Run ``argv`` until it exits with CANNOT_START or the supervisor is told to stop; the child's last code."""
+    """Run ``argv`` until it exits with one of the FINAL codes or the supervisor is told to stop; the child's last
+    code."""
     stopping = False
     child: subprocess.Popen[bytes] | None = None
 
@@ -64,7 +68,9 @@ def supervise(argv: Sequence[str]) -> int:
         if stopping:  # told to stop while the child was starting: it missed the forwarded signal
             child.terminate()
         rc = child.wait()
-        if stopping or rc == CANNOT_START:
+        if stopping or rc in FINAL:
+            if rc == DEVICE_TAKEN:
+                log.error("worker refused to start: its device is held by another worker (above); not restarting it")
             return rc
         if time.monotonic() - started > STABLE_AFTER_S:
             failures = 0
