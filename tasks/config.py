@@ -72,6 +72,8 @@ class Settings:
     web_bind: str = "127.0.0.1:8000"
     web_workers: int = 2
     web_connections: int = 0
+    keepalive_s: float = 75.0
+    header_timeout_s: float = 10.0
 
     heartbeat_interval_s: float = 1.0
     heartbeat_stale_factor: float = 3.0
@@ -83,6 +85,10 @@ class Settings:
 
     files_dir: str = "var/files"
     max_file_bytes: int = 209_715_200
+    files_tenant_max_bytes: int = 10_737_418_240
+    files_tenant_max_count: int = 1000
+    files_expire_s: int = 2_592_000
+    files_cleanup_s: float = 60.0
     jobs_max_lines: int = 50_000
     jobs_poll_s: float = 1.0
     jobs_lease_s: float = 30.0
@@ -132,6 +138,13 @@ class Settings:
         values.update(overrides or {})
         return cls(**values)  # type: ignore[arg-type]
 
+    def __post_init__(self) -> None:
+        """Every path setting made absolute once, against the working directory the process started in: a
+        relative path read later would resolve against whatever folder the reader assumes (Flask's send_file
+        takes it from the app's package folder, so a download of a file written to ``var/files`` failed)."""
+        object.__setattr__(self, "files_dir", absolute_path(self.files_dir))
+        object.__setattr__(self, "database_url", absolute_sqlite_url(self.database_url))
+
     # Broker names derived from the namespace, so every component agrees on them (Redis keys: tasks.state.keys).
     @property
     def request_queue(self) -> str:
@@ -153,6 +166,23 @@ class Settings:
 
     def gpu_queue(self, host: str, device: int | str) -> str:
         return f"{self.namespace}.gpu.{host}.{device}"
+
+
+def absolute_path(path: str) -> str:
+    """``path`` made absolute against the current working directory (``~`` expanded); empty stays empty."""
+    return os.path.abspath(os.path.expanduser(path)) if path else path
+
+
+def absolute_sqlite_url(url: str) -> str:
+    """A SQLite URL whose file is named relative (``sqlite:///var/llmb.db``) made absolute
+    (``sqlite:////abs/var/llmb.db``); in-memory databases and other databases' URLs are left as they are."""
+    scheme, sep, rest = url.partition(":///")
+    if not sep or not scheme.split("+")[0] == "sqlite":
+        return url
+    path, query_sep, query = rest.partition("?")
+    if not path or path == ":memory:" or path.startswith(("/", "file:")):
+        return url
+    return f"{scheme}:///{absolute_path(path)}{query_sep}{query}"
 
 
 def documented_settings() -> list[tuple[str, object, str]]:
@@ -213,6 +243,8 @@ DOCS: dict[str, str] = {
     "persistent_requests": "Write request messages to disk in RabbitMQ, so they outlive a broker restart; false saves ~0.25 ms of broker CPU per request.",
     "web_bind": "Address gunicorn listens on.",
     "web_workers": "gunicorn worker processes (each holds many waiting requests on gevent).",
+    "keepalive_s": "How long an API process keeps an idle kept-alive connection open, waiting for its next request (nginx's default; longer than common clients' pool expiry: httpx 5 s, aiohttp 15 s, so a pooled client retires an idle connection before the server closes it).",
+    "header_timeout_s": "A request's headers must all arrive within this many seconds of its first byte (slow-header protection); slower ones get 408 and the connection is closed.",
     "web_connections": "Simultaneous connections per gunicorn worker process; 0 (default): enough for the admission caps (interactive + offline) spread over the worker processes, plus room to refuse the excess fast.",
     "max_retries": "Times a request is sent again after its worker was lost before running it; then it fails (503).",
     "store_inputs": "Keep each input's text in the ledger (needed by `llmb-admin replay` and `requeue`).",
@@ -220,6 +252,10 @@ DOCS: dict[str, str] = {
     "dispatch_lead_ms": "A busy worker's next batch is sent this long before its running batch should end (until then it keeps filling); the starting value: each batcher learns each worker's lead from the hand-overs that came late.",
     "files_dir": "Batch API: folder holding uploaded input files and the output and error files of batch jobs (every API process and `llmb-jobs` must see the same folder: a shared volume across hosts).",
     "max_file_bytes": "Batch API: largest file `POST /v1/files` takes (bigger: 413).",
+    "files_tenant_max_bytes": "Batch API: most bytes of files one tenant may hold (uploads and job outputs, until deleted or expired); an upload beyond it gets 403 quota_exceeded (0: no limit).",
+    "files_tenant_max_count": "Batch API: most files one tenant may hold; an upload beyond it gets 403 quota_exceeded (0: no limit).",
+    "files_expire_s": "Batch API: a file expires this many seconds after its creation unless its upload's `expires_after` (or its batch's `output_expires_after`) says otherwise (30 days, as OpenAI's batch files; 0: never); expired files are deleted by `llmb-jobs`.",
+    "files_cleanup_s": "`llmb-jobs`: how often it deletes expired files (their bytes and rows) and upload leftovers.",
     "jobs_max_lines": "Batch API: most lines (requests) in one batch's input file.",
     "jobs_poll_s": "`llmb-jobs`: how often it looks in the database for batch jobs to run, and renews the leases of those it runs.",
     "jobs_lease_s": "`llmb-jobs`: a job's lease; a process that stops renewing it (killed, cut off) loses the job this long after its last renewal, and another process (or its restart) takes it over.",

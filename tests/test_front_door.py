@@ -323,30 +323,7 @@ def test_a_body_trickling_in_gets_408_at_the_time_limit(door_stack: Stack) -> No
     assert head.startswith(b"HTTP/1.1 408"), got[:300]
     error = json.loads(payload)["error"]
     assert error["type"] == "request_timeout" and "within 1 s" in error["message"]
-    assert closed is not None and closed < 1 + 5 + 2, "then the connection ends (gunicorn's keepalive drain)"
-
-
-def test_headers_trickling_in_are_cut_off_by_gunicorn(door_stack: Stack) -> None:
-    """Measured: gunicorn's gevent worker parses each request's headers under gevent.Timeout(keepalive = 5 s)."""
-    sock = _connect(door_stack.url)
-    sock.sendall(b"POST /v1/infer HTTP/1.1\r\n")
-    headers = b"Host: x\r\nContent-Type: application/json\r\nX-Padding: " + b"a" * 200 + b"\r\n\r\n"
-    started = time.monotonic()
-    closed_after = None
-    sock.settimeout(0.2)
-    for byte in headers:
-        try:
-            sock.send(bytes([byte]))
-            if sock.recv(4096) == b"":
-                closed_after = time.monotonic() - started
-                break
-        except TimeoutError:
-            continue
-        except OSError:
-            closed_after = time.monotonic() - started
-            break
-    sock.close()
-    assert closed_after is not None and closed_after < 5 + 2, closed_after
+    assert closed is not None and closed < 1 + 5 + 2, "then the connection ends (a lingering close)"
 
 
 def test_the_door_holds_3000_connections_and_refuses_past_its_share_at_once(tmp_path: Path) -> None:

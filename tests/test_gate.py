@@ -84,7 +84,7 @@ def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
         alone.enter(late, "only")
 
 
-def test_recent_callers_forget_after_two_seconds() -> None:
+def test_recent_callers_forget_after_their_window() -> None:
     from tasks.policy.callers import RecentCallers
 
     clock = Clock()
@@ -93,8 +93,23 @@ def test_recent_callers_forget_after_two_seconds() -> None:
         callers.arrived("a")
     callers.arrived("b")
     assert callers.light("b") and not callers.light("a")
-    clock.now += 1
-    assert callers.light("b")  # the last second still counts
+    clock.now += 5
+    assert callers.light("b")  # the last five seconds still count (a flood's backlog drains for a while)
     clock.now += 1.5
     callers.arrived("b")
     assert not callers.light("b")  # "a" is forgotten: "b" alone
+
+
+def test_a_light_tenant_passes_beside_a_floods_full_slots() -> None:
+    """Tenant a fills the only slot and sends far more; tenant b, sending a call now and then, passes at once
+    instead of waiting behind a's queue (which would refuse it after max_wait_s like a's)."""
+    gate = Gate(slots=1, max_wait_s=0.05)
+    for _ in range(40):
+        with gate.passage("a"):
+            pass
+    with gate.passage("a"):
+        with gate.passage("b") as turn:  # no slot is free: b is light
+            assert turn is not None and gate.waiting == 0
+        with pytest.raises(Overloaded):
+            with gate.passage("a"):  # a is the flood: it waits its turn, and is refused after max_wait_s
+                pass

@@ -151,11 +151,11 @@ class DoorMiddleware:
         self.is_inference = is_inference
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        arrived_at = environ["llmb.arrived_at"] = arrival()
+        environ["llmb.arrived_at"], ready_at = arrival()
         if environ.get("REQUEST_METHOD") != "POST" or not self.is_inference(environ.get("PATH_INFO", "")):
             return self.app(environ, start_response)
         try:
-            self.door.enter(arrived_at, environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_TENANT") or "",
+            self.door.enter(ready_at, environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_TENANT") or "",
                             lambda: _tenant_in_body(environ))
         except QueueFull as exc:
             headers, body = _refusal(exc, environ.get("PATH_INFO", ""), environ.get("HTTP_X_REQUEST_ID"))

@@ -6,11 +6,10 @@ each worker process takes its share of ``LLMB_ADMISSION_CAP + LLMB_OFFLINE_ADMIS
 waiting unanswered in the kernel's accept queue. The file-descriptor limit is raised to match and the listen
 backlog sized for a burst of that many connections.
 
-Time limits on the way in: a request's headers must arrive within ``keepalive`` seconds (gunicorn's gevent
-worker wraps each header parse, the first request's included, in ``gevent.Timeout(keepalive)`` and closes the
-connection silently when it fires: measured, one header byte per second is cut off after 5 s); its body within
-``LLMB_BODY_TIMEOUT_S`` (:mod:`webapp.body`, 408). ``keepalive`` must therefore never be 0 here: without it,
-gunicorn parses headers with no time limit at all.
+Time limits on the way in: an idle kept-alive connection waits ``LLMB_KEEPALIVE_S`` for its next request; a
+request's headers must arrive within ``LLMB_HEADER_TIMEOUT_S`` of its first byte (408 otherwise,
+:mod:`webapp.connections`); its body within ``LLMB_BODY_TIMEOUT_S`` (:mod:`webapp.body`, 408). gunicorn's own
+``keepalive`` is set to the idle limit and must stay > 0: with 0 gunicorn parses headers with no time limit.
 
 Prometheus counters of the API processes use prometheus_client's multiprocess mode: each worker writes
 its figures to files in PROMETHEUS_MULTIPROC_DIR (a fresh folder per server unless you set one), and
@@ -62,7 +61,7 @@ worker_class = "webapp.worker.ArrivalTimingWorker"  # gevent, noting when connec
 worker_connections = connections_per_worker(_settings)
 backlog = max(2048, worker_connections)  # the kernel caps it at net.core.somaxconn
 graceful_timeout = 10
-keepalive = 5  # also the time limit on a request's headers (see above): keep it > 0
+keepalive = max(1, math.ceil(_settings.keepalive_s))  # idle keep-alive (webapp.connections); > 0: the keep-alive loop
 accesslog = None  # one structured line per request comes from the app instead
 
 _fds_wanted = worker_connections + SPARE_FDS

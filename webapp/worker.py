@@ -14,6 +14,9 @@ Two changes to gunicorn's gevent server make that wait visible:
   CPU then leaves the rest in the kernel's accept queue, where nothing can see or refuse them; this worker
   accepts up to :data:`ACCEPT_BATCH` at once, so they wait where their delay is measured.
 
+How connections are kept, timed and closed (idle keep-alive, the header timeout from a request's first byte,
+lingering closes, gunicorn's own errors in JSON) is :mod:`webapp.connections`; this worker plugs it in.
+
 And one to its responses: gunicorn writes a response's headers and its body with a system call each; this
 worker holds the headers back and sends them with the first piece of the body (the two writes were 7.7% of
 an API process's CPU under load, measured with py-spy).
@@ -26,15 +29,24 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import gevent
+import gunicorn.http as http
 import gunicorn.http.wsgi as wsgi
+import gunicorn.util as gunicorn_util
 import gunicorn.workers.ggevent as ggevent
 from gevent.baseserver import _handle_and_close_when_done  # type: ignore[attr-defined]
 from gevent.local import local
 from gevent.server import StreamServer
 from gunicorn.workers.ggevent import GeventWorker
 
+from tasks.config import Settings
+from webapp import connections
+
 _connection = local()  # per greenlet (gevent's own: this module loads in gunicorn's master, before patching)
 ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
+# answers to a request whose body was not read (too slow, too large): the connection ends (lingering), rather
+# than reading and dropping a body that may never end
+CLOSING_STATUSES = frozenset({408, 413, 507})
 
 
 # What may refuse a request on a just-accepted connection before a greenlet is spawned for it (the app's
@@ -114,11 +126,18 @@ class _HeldHeaders:
 
 
 class _OneWriteResponse(wsgi.Response):
-    """gunicorn's response, its headers sent with the first piece of its body in one write."""
+    """gunicorn's response, its headers sent with the first piece of its body in one write; a 408 or 413 ends
+    the connection (:data:`CLOSING_STATUSES`)."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.sock = _HeldHeaders(self.sock)  # type: ignore[has-type]
+
+    def start_response(self, status: str, headers: Any, exc_info: Any = None) -> Any:
+        write = super().start_response(status, headers, exc_info)
+        if self.status_code in CLOSING_STATUSES:
+            self.force_close()
+        return write
 
     def send_headers(self) -> None:
         if not self.headers_sent:
@@ -135,17 +154,79 @@ class _OneWriteResponse(wsgi.Response):
         self.sock.flush()  # a response without a body (or a chunked one's last chunk)
 
 
+def _remembering(get_parser: Callable[..., Any]) -> Callable[..., Any]:
+    """gunicorn's ``http.get_parser``, noting the connection's parser where :meth:`ArrivalTimingWorker.timeout_ctx`
+    finds it (to see the bytes it has read ahead: a pipelined request needs no wait)."""
+    def get(*args: Any, **kwargs: Any) -> Any:
+        parser = _connection.parser = get_parser(*args, **kwargs)
+        return parser
+    return get
+
+
+def _arrived(at: float) -> None:
+    _connection.seen_at = at
+
+
 class ArrivalTimingWorker(GeventWorker):
+    settings: Settings
+
     def run(self) -> None:
         # gunicorn's run() builds its servers, and each request its response, from these names (this process only)
         ggevent.StreamServer = _TimedServer
         wsgi.Response = _OneWriteResponse
+        http.get_parser = _remembering(http.get_parser)  # type: ignore[assignment]
+        gunicorn_util.write_error = self._write_error  # type: ignore[assignment]  # its own errors, in JSON
+        self.settings = Settings.from_env()
+        gevent.spawn(self._close_idle_when_stopping)
         super().run()
 
+    def _close_idle_when_stopping(self) -> None:
+        while self.alive:
+            gevent.sleep(0.2)
+        connections.IDLE.stop()
 
-def arrival() -> float:
-    """When the request now being handled arrived (monotonic): its connection's accept for the first request
-    of the connection, else now."""
+    def handle(self, listener: Any, client: Any, addr: Any) -> None:
+        _connection.client, _connection.parser, _connection.requests, _connection.path = client, None, 0, None
+        super().handle(listener, client, addr)
+
+    def timeout_ctx(self) -> connections.NextRequest:
+        """The wait for the connection's next request: the idle keep-alive for its first byte (a new connection's
+        first request: the header timeout), then the header timeout (:mod:`webapp.connections`)."""
+        first = _connection.requests == 0
+        _connection.requests += 1
+        idle = self.settings.header_timeout_s if first else self.settings.keepalive_s
+        return connections.NextRequest(_connection.client, _connection.parser, idle, self.settings.header_timeout_s,
+                                       self.settings.body_timeout_s, _arrived, first=first)
+
+    def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
+        _connection.path = getattr(req, "path", None)
+        try:
+            return super().handle_request(listener_name, req, sock, addr)
+        except StopIteration:  # the answer said Connection: close
+            connections.linger_close(sock)
+            raise
+
+    def handle_error(self, req: Any, client: Any, addr: Any, exc: BaseException) -> None:
+        _connection.path = getattr(req, "path", None) or getattr(getattr(exc, "req", None), "path", None)
+        super().handle_error(req, client, addr, exc)
+
+    @staticmethod
+    def _write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
+        connections.write_error(sock, status_int, reason, mesg, getattr(_connection, "path", None))
+
+
+def arrival() -> tuple[float, float]:
+    """When the request now being handled arrived, and when this process could first have got to it (monotonic).
+
+    The first request of a connection arrived at its accept; the process could get to it from then on, or
+    from when its first byte was seen if the process had to wait for it (a client that connects and sends
+    later). A later request on a kept-alive connection arrived when its first byte was seen, or now when it
+    was there already. The door's delay (:class:`webapp.door.Door`) counts from the second time, the
+    caller's deadline from the first."""
     accepted: float | None = getattr(_connection, "accepted_at", None)
-    _connection.accepted_at = None
-    return accepted if accepted is not None else time.monotonic()
+    seen: float | None = getattr(_connection, "seen_at", None)
+    _connection.accepted_at = _connection.seen_at = None
+    if accepted is not None:
+        return accepted, accepted if seen is None else max(accepted, seen)
+    at = time.monotonic() if seen is None else seen
+    return at, at

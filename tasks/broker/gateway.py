@@ -355,8 +355,8 @@ class Gateway:
     # -- calls by id, idempotency ---------------------------------------------------------------------
     def lookup(self, tenant: str, request_id: str) -> Lookup | None:
         """The tenant's call of this id (None: unknown to this tenant, or expired)."""
-        view = self._redis(partial(self.requests.look, tenant, request_id))
-        return None if view is None else self._redis(partial(self._outcome_of, view))
+        view = self.redis_call(partial(self.requests.look, tenant, request_id))
+        return None if view is None else self.redis_call(partial(self._outcome_of, view))
 
     def _outcome_of(self, view: View) -> Lookup | None:
         """What a recorded call came to, from its record and its results (None: its results expired)."""
@@ -399,7 +399,7 @@ class Gateway:
                 raise IdempotencyConflict(
                     f"this Idempotency-Key was used for a different request (request {view.record.request_id!r}, "
                     "another body or route); use a new key for a new request")
-            found = self._redis(partial(self._outcome_of, view))
+            found = self.redis_call(partial(self._outcome_of, view))
             if found is None:  # its record outlived its results: nothing to answer with; run it again
                 self._forget(view.record, idempotency)
                 return None
@@ -420,11 +420,12 @@ class Gateway:
                 time.sleep(min(OUTCOME_POLL_S, remaining))
             else:  # woken with the first call's own waiter when it runs in this process
                 items, until = view.record.items, min(deadline, time.monotonic() + FOLLOW_CHECK_S)
-                self._redis(partial(self.listener.wait, items, until))
-            claim = self._redis(partial(self.requests.peek, call.tenant, idempotency))
+                self.redis_call(partial(self.listener.wait, items, until))
+            claim = self.redis_call(partial(self.requests.peek, call.tenant, idempotency))
 
-    def _redis(self, command: Callable[[], T]) -> T:
-        """A Redis command of the request path: 429 when this process's pool stays taken, 503 when Redis is away."""
+    def redis_call(self, command: Callable[[], T]) -> T:
+        """A Redis command of the request path: 429 when this process's pool stays taken, 503 when Redis is away.
+        Routes that read Redis through the gateway's objects (the admin API) go through it too: one translation."""
         try:
             return command()
         except PoolExhausted as exc:
@@ -484,13 +485,15 @@ class Gateway:
         while True:
             if idempotency is None:  # a retry may be answered from its first call: it needs no room
                 self._still_full(call)
-            with self._turn() as turn:
+            with self._turn(call.tenant) as turn:
                 prepared = self._prepare(call, shape)
                 claim = None
                 if idempotency is not None:
                     self._keep_lease()  # the lease tells whoever follows this call that its process is alive
-                    claim = self._redis(partial(self.requests.claim, replace(prepared.record, published=False),
-                                                idempotency, self.clock()))
+                    # its record lives under its key from now on (every later write finds it there), not its id
+                    prepared = replace(prepared, record=replace(prepared.record, key_hash=idempotency.key_hash))
+                    claim = self.redis_call(partial(self.requests.claim, replace(prepared.record, published=False),
+                                                    idempotency, self.clock()))
                 if idempotency is None or claim is None or claim.claimed:
                     return self._admitted(call, prepared, idempotency, turn)
             answer = self._follow(call, idempotency, claim, prepared.deadline, follow)  # its turn given up
@@ -517,9 +520,9 @@ class Gateway:
         now = time.monotonic()
         return any(now < until for until, _ in self._full.values())
 
-    def _turn(self) -> AbstractContextManager[Turn]:
-        """A call's turn through admission (at once when the process has no gate)."""
-        return nullcontext(NO_GATE) if self.gate is None else self.gate.passage()
+    def _turn(self, tenant: str) -> AbstractContextManager[Turn]:
+        """A call's turn through admission (at once when the process has no gate, or for a light tenant)."""
+        return nullcontext(NO_GATE) if self.gate is None else self.gate.passage(tenant)
 
     def _admitted(self, call: Call, prepared: _Prepared, idempotency: Idempotency | None, turn: Turn) -> _Entered:
         try:

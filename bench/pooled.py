@@ -1,0 +1,188 @@
+"""Pooled clients against the shipped defaults: a flood beside a steady tenant, idle expiry, a burst, a broker cut.
+
+    python -m bench.pooled flood [--batchers 2]   # B at 20/s on one aiohttp session while A sends 5,000 at once
+    python -m bench.pooled idle [--calls 500]     # openai clients (max_retries=0) calling every 4.8-5.2 s
+    python -m bench.pooled burst                  # 3,000 calls at once into an idle 400/s worker, 5 s deadline
+    python -m bench.pooled brokercut              # 40/s, 4 s deadline, every broker connection closed mid-way
+
+Each starts its own system (gunicorn with two processes, the batcher(s), one sim worker at 250 ms per batch:
+400 requests/s) with API keys on, on the local RabbitMQ and Redis, prints one JSON line per run and writes
+nothing else. Clients keep connections in a pool and never retry (``tests/pooled.py``), so a connection the
+server drops or closes under a request counts as an error here.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from tests import pooled  # noqa: E402
+from tests.services import Vhost  # noqa: E402
+from tests.stack import Stack  # noqa: E402
+
+
+def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> Stack:
+    stack = Stack(tmp, log_level="WARNING", auth="keys", sim_batch_ms=250, **env)
+    stack.start_worker(0)
+    if embed:
+        stack.start_worker(1, backend="hf-embed")
+    for i in range(batchers):
+        stack.start_batcher(f"batcher{i}" if i else "batcher")
+    stack.start_web()
+    stack.wait_ready(workers=2 if embed else 1)
+    return stack
+
+
+def key(stack: Stack, tenant: str) -> str:
+    return stack.admin("keys", "create", tenant).stdout.strip()
+
+
+def flood(tmp: Path, batchers: int) -> dict[str, Any]:
+    stack = start(tmp, batchers)
+    try:
+        a, b = key(stack, "a"), key(stack, "b")
+
+        async def run() -> tuple[list[pooled.Call], list[pooled.Call], list[pooled.Call]]:
+            async with pooled.session() as http:
+                alone = await pooled.steady(http, stack.url, "b", 20, 5, key=b)
+                steady = asyncio.ensure_future(pooled.steady(http, stack.url, "b", 20, 10, key=b))
+                await asyncio.sleep(1.0)
+                flooded = await pooled.burst(stack.url, 5000, "a", key=a, timeout_ms=10_000, http=http)
+                return alone, await steady, flooded
+
+        alone, beside, a_calls = asyncio.run(run())
+    finally:
+        stack.close()
+    return {"scenario": "flood", "batchers": batchers, "b_alone": pooled.summary(alone),
+            "b_beside_flood": pooled.summary(beside), "a_flood": pooled.summary(a_calls)}
+
+
+def idle(tmp: Path, calls: int, clients: int = 20) -> dict[str, Any]:
+    import openai
+
+    stack = start(tmp, embed=True)
+    try:
+        api_key = key(stack, "idle")
+        errors: list[str] = []
+        statuses: list[int] = []
+        lock = threading.Lock()
+
+        def client_loop(seed: int) -> None:
+            rng = random.Random(seed)
+            client = openai.OpenAI(base_url=stack.url + "/v1", api_key=api_key, max_retries=0, timeout=30)
+            for _ in range(calls // clients):
+                try:
+                    client.embeddings.create(model="all-MiniLM-L6-v2", input=f"idle {seed}")
+                    outcome = 200
+                except openai.APIStatusError as exc:
+                    outcome = exc.status_code
+                except openai.APIConnectionError as exc:
+                    outcome = 0
+                    with lock:
+                        errors.append(f"{type(exc.__cause__ or exc).__name__}: {exc.__cause__ or exc}"[:160])
+                with lock:
+                    statuses.append(outcome)
+                time.sleep(rng.uniform(4.8, 5.2))
+
+        threads = [threading.Thread(target=client_loop, args=(i,)) for i in range(clients)]
+        for t in threads:
+            t.start()
+            time.sleep(5.0 / clients)  # spread the clients over one period
+        for t in threads:
+            t.join()
+    finally:
+        stack.close()
+    return {"scenario": "idle", "calls": len(statuses), "ok": statuses.count(200),
+            "connection_errors": statuses.count(0), "errors": sorted(set(errors))[:5]}
+
+
+def cpu_seconds(stack: Stack) -> dict[str, float]:
+    """CPU seconds so far of each process of the stack (gunicorn's workers together) and of this client."""
+    import os
+
+    import psutil
+
+    def of(pids: list[int]) -> float:
+        total = 0.0
+        for pid in pids:
+            try:
+                t = psutil.Process(pid).cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    return {"web": of(stack.web_workers()), "batcher": of([stack.pid("batcher")]),
+            "worker": of([stack.pid("gpu0"), *stack.children("gpu0")]), "client": of([os.getpid()])}
+
+
+def burst(tmp: Path) -> dict[str, Any]:
+    stack = start(tmp)
+    try:
+        a = key(stack, "a")
+        before = cpu_seconds(stack)
+        calls = asyncio.run(pooled.burst(stack.url, 3000, "a", key=a, timeout_ms=5000))
+        cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}
+    finally:
+        stack.close()
+    return {"scenario": "burst", **pooled.summary(calls), "cpu_s": cpu}
+
+
+def brokercut(tmp: Path) -> dict[str, Any]:
+    vhost = Vhost().create()
+    stack = start(tmp, broker_url=vhost.url)
+    try:
+        k = key(stack, "cut")
+
+        async def run() -> list[pooled.Call]:
+            async with pooled.session() as http:
+                load = asyncio.ensure_future(pooled.steady(http, stack.url, "cut", 40, 14, key=k, timeout_ms=4000))
+                await asyncio.sleep(5.0)
+                cut_at = time.monotonic()
+                await asyncio.to_thread(vhost.close_connections)
+                calls = await load
+                for c in calls:
+                    c.tenant = "after" if c.sent_at >= cut_at else "before"
+                return calls
+
+        calls = asyncio.run(run())
+    finally:
+        stack.close()
+        vhost.delete()
+    late = [c for c in calls if c.status == 200 and c.latency_s > 4.0 + 1.0]
+    return {"scenario": "brokercut", **pooled.summary(calls), "late_200": len(late),
+            "504_sent_after_cut": sum(1 for c in calls if c.status == 504 and c.tenant == "after")}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("scenario", choices=["flood", "idle", "burst", "brokercut"])
+    parser.add_argument("--batchers", type=int, default=1)
+    parser.add_argument("--calls", type=int, default=500)
+    parser.add_argument("--runs", type=int, default=1)
+    args = parser.parse_args()
+    for _ in range(args.runs):
+        with tempfile.TemporaryDirectory(prefix="llmb-pooled-") as tmp:
+            if args.scenario == "flood":
+                row = flood(Path(tmp), args.batchers)
+            elif args.scenario == "idle":
+                row = idle(Path(tmp), args.calls)
+            elif args.scenario == "burst":
+                row = burst(Path(tmp))
+            else:
+                row = brokercut(Path(tmp))
+        print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""Callers as real clients are: one aiohttp ``ClientSession`` (a connection pool) shared by many callers.
+
+A web backend in front of the service keeps one session for all its users, so one tenant's flood and another's
+steady calls share a pool of kept-alive connections, and a server that closes a connection on which a request
+has started (or drops one under load) shows up as a connection error here, where a client opening a
+connection per call (``tests/loadgen.py``, ``bench/load.py``) would not see it. Retries are off: every error
+counts.
+
+    calls = asyncio.run(burst(url, 3000, tenant="a", timeout_ms=5000))
+    print(summary(calls))
+"""
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from tests.helpers import expected
+
+CLIENT_SLACK_S = 5.0  # the client gives up this long after the call's deadline (a hang is counted, not waited on)
+
+
+@dataclass
+class Call:
+    """One call as its caller saw it: status 0 when no HTTP answer came (``error`` says why)."""
+    tenant: str
+    sent_at: float
+    status: int
+    latency_s: float
+    error: str = ""  # the client's exception, when no answer came
+    json_error: bool = True  # an error answer in the JSON shape
+    own_output: bool = True  # a 200's output is this call's own input's
+    error_type: str = ""  # error.type of a JSON error answer
+    message: str = ""
+
+
+def session(limit: int = 0) -> aiohttp.ClientSession:
+    """A pooled session as a web backend has it (``limit=0``: no cap on connections; aiohttp's default is 100)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=aiohttp.ClientTimeout(total=None))
+
+
+def headers_for(tenant: str, key: str | None) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {"X-Tenant": tenant}
+
+
+async def call(http: aiohttp.ClientSession, url: str, tenant: str, *, key: str | None = None,
+               timeout_ms: int = 10_000) -> Call:
+    """POST one /v1/infer call on the pool and wait for its answer (or the client's own time-out)."""
+    text = f"{tenant}-{uuid.uuid4().hex}"
+    sent = time.monotonic()
+    try:
+        async with http.post(f"{url}/v1/infer", json={"input": text, "timeout_ms": timeout_ms},
+                             headers=headers_for(tenant, key),
+                             timeout=aiohttp.ClientTimeout(total=timeout_ms / 1000 + CLIENT_SLACK_S)) as response:
+            raw = await response.read()
+            status = response.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        return Call(tenant, sent, 0, time.monotonic() - sent, error=f"{type(exc).__name__}: {exc}"[:200])
+    done = Call(tenant, sent, status, time.monotonic() - sent)
+    try:
+        body: Any = json.loads(raw)
+    except ValueError:
+        body = None
+    if status == 200:
+        done.own_output = isinstance(body, dict) and body.get("output") == expected(text)
+    else:
+        done.json_error = isinstance(body, dict) and isinstance(body.get("error"), dict)
+        if done.json_error:
+            done.error_type = str(body["error"].get("type") or body["error"].get("code"))
+            done.message = str(body["error"].get("message"))[:200]
+    return done
+
+
+async def burst(url: str, n: int, tenant: str, *, key: str | None = None, timeout_ms: int = 5000,
+                http: aiohttp.ClientSession | None = None) -> list[Call]:
+    """``n`` calls sent at once on one pool."""
+    own = http is None
+    http = http or session()
+    try:
+        return list(await asyncio.gather(*(call(http, url, tenant, key=key, timeout_ms=timeout_ms)
+                                           for _ in range(n))))
+    finally:
+        if own:
+            await http.close()
+
+
+async def steady(http: aiohttp.ClientSession, url: str, tenant: str, rate_per_s: float, duration_s: float, *,
+                 key: str | None = None, timeout_ms: int = 10_000) -> list[Call]:
+    """Calls evenly spaced at ``rate_per_s`` for ``duration_s`` (open loop), on the shared pool."""
+    start, tasks = time.monotonic(), []
+    for i in range(int(rate_per_s * duration_s)):
+        delay = start + i / rate_per_s - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.ensure_future(call(http, url, tenant, key=key, timeout_ms=timeout_ms)))
+    return list(await asyncio.gather(*tasks))
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The q-th percentile (nearest rank) of ``values``; 0 when there are none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
+
+
+def connection_errors(calls: list[Call]) -> list[Call]:
+    return [c for c in calls if c.status == 0]
+
+
+def summary(calls: list[Call]) -> dict[str, Any]:
+    """Statuses, connection errors by kind, and latency quantiles (all calls, and the 200s and 429s apart)."""
+    ok = [c.latency_s for c in calls if c.status == 200]
+    refused = [c.latency_s for c in calls if c.status == 429]
+    return {
+        "calls": len(calls),
+        "statuses": dict(sorted(collections.Counter(c.status for c in calls).items())),
+        "connection_errors": len(connection_errors(calls)),
+        "error_kinds": dict(collections.Counter(c.error.split(":")[0] for c in connection_errors(calls))),
+        "error_examples": sorted({c.error for c in connection_errors(calls)})[:3],
+        "error_types": dict(collections.Counter(c.error_type for c in calls if c.error_type)),
+        "messages": sorted({c.message for c in calls if c.message})[:4],
+        "not_json": sum(1 for c in calls if c.status not in (0, 200) and not c.json_error),
+        "wrong_output": sum(1 for c in calls if c.status == 200 and not c.own_output),
+        "p50_s": round(percentile(ok, 50), 3), "p99_s": round(percentile(ok, 99), 3),
+        "p99_429_s": round(percentile(refused, 99), 3),
+    }

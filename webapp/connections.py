@@ -1,0 +1,191 @@
+"""How an API process keeps, times and closes its HTTP/1.1 connections, as nginx and Go's net/http do.
+
+gunicorn's gevent worker waits for each next request inside one ``gevent.Timeout(keepalive)`` and closes the
+connection silently when it fires. That one number is both the idle keep-alive and the limit on a request's
+headers, counted from the end of the previous response, so with its default of 5 s a pooled client (httpx
+expires idle connections at 5 s) races the server's close and loses a call now and then; under load, when the
+process gets to a connection late, a request already on its way is cut off ("Server disconnected",
+"Connection reset by peer"). Here the wait is split in two:
+
+* **idle** (:attr:`Settings.keepalive_s`, 75 s): waiting for the first byte of the next request, nothing is
+  lost by closing, and the limit is longer than clients' pool expiry, so a pooled client retires an idle
+  connection before the server does. A new connection's first request gets :attr:`Settings.header_timeout_s`.
+* **headers** (:attr:`Settings.header_timeout_s`, 10 s): from a request's first byte (slow-header
+  protection). A request whose headers do not all arrive in time is answered 408, never dropped. A request
+  whose bytes are all there is never cut: the timer only fires while the parser waits for more bytes.
+
+Every close that follows an answer (``Connection: close``, a 408, gunicorn's own 400/414/431 errors) is a
+*lingering close*: the write side is shut, and what the client still sends is read and dropped for up to
+:data:`LINGER_S`, so that the client reads the answer instead of a reset (closing a socket with unread bytes
+makes the kernel send RST, and the client's kernel may then drop the answer it had not read yet).
+
+When the worker stops, idle connections are closed at once (nothing is lost; a pooled client opens another),
+so a graceful stop waits only for requests in progress.
+"""
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import gevent
+
+from webapp.errors import NATIVE, shape_for
+
+LINGER_S = 2.0  # most time a lingering close reads what the client still sends (nginx: lingering_timeout 5 s)
+LINGER_BYTES = 1 << 20  # ... and at most this much of it
+
+# gunicorn's own refusals (its parser's), as the JSON types of our error table
+GUNICORN_TYPES = {400: "invalid_request", 403: "forbidden", 414: "uri_too_long", 417: "expectation_failed",
+                  431: "headers_too_large", 501: "not_implemented"}
+
+
+class HeaderTimeout(Exception):
+    """A request's headers did not all arrive within the header timeout of its first byte."""
+
+
+class _Stopping(Exception):
+    """The worker is stopping: an idle connection ends its wait."""
+
+
+class IdleConnections:
+    """The connections waiting for their next request, so that a stopping worker closes them at once."""
+
+    def __init__(self) -> None:
+        self.stopping = False
+        self._waiting: set[gevent.Greenlet] = set()
+
+    def wait(self, sock: socket.socket, timeout_s: float, kept: bool = True) -> float | None:
+        """Wait until ``sock`` has bytes to read: when they were seen (monotonic; 0.0 when they were there
+        already), or None when ``timeout_s`` passed, the client closed or (a ``kept`` connection, idle after
+        an answer) the worker stops. A new connection's first request is waited for even then: its client
+        has connected to send it."""
+        timeout = sock.gettimeout()
+        try:
+            sock.settimeout(0.0)
+            try:
+                return 0.0 if sock.recv(1, socket.MSG_PEEK) else None
+            except BlockingIOError:
+                pass
+            if kept and self.stopping:
+                return None
+            me = gevent.getcurrent()
+            if kept:
+                self._waiting.add(me)
+            try:
+                sock.settimeout(timeout_s)
+                return time.monotonic() if sock.recv(1, socket.MSG_PEEK) else None
+            finally:
+                self._waiting.discard(me)
+        except (_Stopping, OSError):  # socket.timeout is an OSError
+            return None
+        finally:
+            try:
+                sock.settimeout(timeout)
+            except OSError:
+                pass
+
+    def stop(self) -> None:
+        self.stopping = True
+        gevent.killall(list(self._waiting), exception=_Stopping, block=False)
+
+
+IDLE = IdleConnections()
+
+
+class NextRequest:
+    """The wait for one request on a connection (gunicorn's ``timeout_ctx``): the idle wait for its first byte on
+    entry (StopIteration ends the connection quietly when none comes), then the header timer until the parser
+    has the request; when the timer fires the request is answered 408 and the connection closed (lingering).
+
+    A request whose first byte had to be waited for is said to arrive (``arrived``) when it was seen: a client
+    that connects and sends later (a busy client opening many connections at once) is not charged that time
+    as the process's own delay (:class:`webapp.door.Door`)."""
+
+    def __init__(self, sock: socket.socket, parser: Any, idle_s: float, header_s: float, body_s: float,
+                 arrived: Callable[[float], None], first: bool = False) -> None:
+        self.sock = sock
+        self.first = first
+        self.parser = parser  # gunicorn's RequestParser of the connection
+        self.body_s = body_s
+        self.arrived = arrived
+        self.idle_s = idle_s
+        self.header_s = header_s
+        self.timer: gevent.Timeout | None = None
+        self.expired = HeaderTimeout()
+
+    def __enter__(self) -> NextRequest:
+        # what the app left unread of the previous body (a refusal before reading it) is read and dropped first,
+        # under the body's own time limit: the header timer starts at the next request's first byte
+        if not self.parser.finish_body(deadline=time.monotonic() + self.body_s):
+            raise StopIteration("the previous body did not end in time")
+        if not self._buffered():
+            seen = IDLE.wait(self.sock, self.idle_s, kept=not self.first)
+            if seen is None:
+                raise StopIteration("idle")  # gunicorn's keep-alive loop closes the connection
+            if seen:
+                self.arrived(seen)  # it came after the process was ready for it: its own time, not the accept's
+        self.timer = gevent.Timeout(self.header_s, self.expired)
+        self.timer.start()
+        return self
+
+    def _buffered(self) -> int:
+        """Bytes of the next request the parser has already read ahead (a pipelined request: no wait)."""
+        buf = getattr(getattr(self.parser, "unreader", None), "buf", None)
+        return buf.getbuffer().nbytes if buf is not None else 0
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: Any) -> bool:
+        assert self.timer is not None
+        self.timer.close()
+        if exc is not self.expired:
+            return False
+        write_error(self.sock, 408, "Request Timeout",
+                    f"the request's headers did not all arrive within {self.header_s:g} s of its first byte "
+                    "(LLMB_HEADER_TIMEOUT_S)")
+        return True  # no request: gunicorn ends the connection
+
+
+def linger_close(sock: socket.socket) -> None:
+    """Shut the write side (the answer is out) and read what the client still sends, for a while, so that closing
+    then sends FIN, not a reset that could destroy the answer before the client reads it."""
+    try:
+        sock.shutdown(socket.SHUT_WR)
+    except OSError:
+        return
+    deadline, read = time.monotonic() + LINGER_S, 0
+    try:
+        while read < LINGER_BYTES:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            with gevent.Timeout(left, False):
+                chunk = sock.recv(65536)
+            if not chunk:  # the client closed (it read the answer), or the timer ended the read
+                return
+            read += len(chunk)
+    except OSError:
+        return
+
+
+def error_bytes(status: int, reason: str, message: str, path: str | None = None) -> bytes:
+    """A whole HTTP/1.1 error answer with its JSON body, ending the connection."""
+    type_ = "request_timeout" if status == 408 else GUNICORN_TYPES.get(status, "internal_error")
+    shape = NATIVE if path is None else shape_for(path)
+    body = json.dumps(shape.body(status, type_, message or reason, None)).encode()
+    head = (f"HTTP/1.1 {status} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n")
+    return head.encode("latin-1") + body
+
+
+def write_error(sock: socket.socket, status: int, reason: str, message: str, path: str | None = None) -> None:
+    """Answer an error the server itself raises before the app (gunicorn's parser, the header timeout) in JSON,
+    then close lingering. A 500 from here never carries the exception's text."""
+    if status >= 500 and status != 501:
+        message = "internal error; see the server log"
+    try:
+        sock.sendall(error_bytes(status, reason, message, path))
+    except OSError:
+        return
+    linger_close(sock)
