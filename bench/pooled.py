@@ -32,19 +32,10 @@ from tests.stack import Stack  # noqa: E402
 
 
 def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> Stack:
-    stack = Stack(tmp, log_level="WARNING", auth="keys", sim_batch_ms=250, **env)
-    stack.start_worker(0)
-    if embed:
-        stack.start_worker(1, backend="hf-embed")
-    for i in range(batchers):
-        stack.start_batcher(f"batcher{i}" if i else "batcher")
-    stack.start_web()
-    stack.wait_ready(workers=2 if embed else 1)
-    return stack
+    return pooled.keyed_stack(tmp, batchers, embed, log_level="WARNING", **env)
 
 
-def key(stack: Stack, tenant: str) -> str:
-    return stack.admin("keys", "create", tenant).stdout.strip()
+key = pooled.key
 
 
 def flood(tmp: Path, batchers: int) -> dict[str, Any]:

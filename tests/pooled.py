@@ -17,11 +17,13 @@ import json
 import time
 import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from tests.helpers import expected
+from tests.stack import Stack
 
 CLIENT_SLACK_S = 5.0  # the client gives up this long after the call's deadline (a hang is counted, not waited on)
 
@@ -38,6 +40,25 @@ class Call:
     own_output: bool = True  # a 200's output is this call's own input's
     error_type: str = ""  # error.type of a JSON error answer
     message: str = ""
+
+
+def keyed_stack(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> Stack:
+    """The system as these scenarios run it: API keys on, one sim worker at 250 ms per batch (400/s), two API
+    processes, ``batchers`` batchers, and (``embed``) an all-MiniLM-L6-v2 worker for /v1/embeddings."""
+    stack = Stack(tmp, auth="keys", sim_batch_ms=250, **env)
+    stack.start_worker(0)
+    if embed:
+        stack.start_worker(1, backend="hf-embed")
+    for i in range(batchers):
+        stack.start_batcher(f"batcher{i}" if i else "batcher")
+    stack.start_web()
+    stack.wait_ready(workers=2 if embed else 1)
+    return stack
+
+
+def key(stack: Stack, tenant: str) -> str:
+    """A new API key for ``tenant``, issued as an operator does."""
+    return stack.admin("keys", "create", tenant).stdout.strip()
 
 
 def session(limit: int = 0) -> aiohttp.ClientSession:

@@ -64,7 +64,7 @@ def test_a_lock_held_for_a_dead_process_is_waited_for_not_refused(tmp_path: Path
     worker waits for the lock instead of refusing for good, and starts once it is released."""
     stack = Stack(tmp_path)
     try:
-        gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+        gone = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
         gone_start = process_start(gone.pid)
         gone.kill()
         gone.wait()
