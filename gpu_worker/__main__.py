@@ -53,7 +53,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.device_lock import DeviceLock, DeviceTaken
     from gpu_worker.drain import empty_queue, hear_sigterm_once
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
-    from gpu_worker.runner import HOST_THREADS, BatchRunner, WorkerState
+    from gpu_worker.runner import HOST_THREADS, BatchRunner, WorkerState, measure_full_batch
     from gpu_worker.supervisor import CANNOT_START, DEVICE_TAKEN
     from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.broker.queues import recovery_queue
@@ -90,6 +90,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     app = make_celery(settings)
     state = WorkerState(clock=SharedClock.from_settings(settings, client))
+    measure_full_batch(model_backend, state)
     stats = Stats.from_settings(settings, client)
     ledger = LedgerWriter.from_settings(settings, on_drop=lambda n: stats.add("ledger_dropped", n))
     runner = BatchRunner(

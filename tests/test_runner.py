@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import redis
 
-from gpu_worker.runner import BatchRunner, WorkerState
+from gpu_worker.runner import BatchRunner, WorkerState, measure_full_batch
 from gpu_worker.runner import Device as Slots
 from tasks.schema import Batch, BatchItem
 from tasks.state.claims import Claims
@@ -120,3 +120,35 @@ def test_the_device_is_idle_only_while_a_slot_is_free() -> None:
     one.release()
     assert one.idle_s() is not None and one.idle_s() >= 0.0
     assert Slots(2).idle_s() is None  # with several slots a free one is no news
+
+
+class Warm:
+    """A backend whose batch takes 50 ms; ``fails`` makes its warm-up raise."""
+
+    max_batch = 8
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.sizes: list[int] = []
+
+    def run(self, inputs: Sequence[str], params: Any = None, hooks: Any = None) -> list[str]:
+        self.sizes.append(len(inputs))
+        if self.fails:
+            raise RuntimeError("no device")
+        time.sleep(0.05)
+        return list(inputs)
+
+
+def test_a_worker_measures_one_full_batch_before_serving() -> None:
+    """Admission sizes its deadline cap from the batch time a worker reports; one that had measured nothing
+    left the cap at its maximum, and a burst into a new fleet was admitted whole to time out."""
+    backend, state = Warm(), WorkerState()
+    measure_full_batch(backend, state)  # type: ignore[arg-type]
+    assert backend.sizes == [8]  # a full batch
+    assert 50 <= state.batch_ms_estimate < 5000 and state.completed == 0  # an estimate, not a batch served
+
+
+def test_a_failed_warm_up_leaves_the_estimate_unmeasured() -> None:
+    backend, state = Warm(fails=True), WorkerState()
+    measure_full_batch(backend, state)  # type: ignore[arg-type]
+    assert state.batch_ms_estimate == 0.0
