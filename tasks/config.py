@@ -1,7 +1,7 @@
 """All configuration in one place.
 
-Every setting is an environment variable prefixed ``LLMB_`` with a documented default (:data:`DOCS`; the README's table
-is printed from it by ``python -m tasks.config``). Settings are loaded once per process with
+Every setting is an environment variable prefixed ``LLMB_`` with a documented default (:data:`DOCS`; the table in
+docs/configuration.md is printed from it by ``python -m tasks.config``, and a test keeps it current). Settings are loaded once per process with
 :meth:`Settings.from_env` and passed down through constructors: nothing else reads the environment.
 """
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Settings:
     max_inputs_per_call: int = 100
     max_body_bytes: int = 1_048_576
     body_timeout_s: float = 10.0
-    door_max_delay_ms: float = 1000.0
+    door_max_delay_ms: float = 2500.0
     admit_concurrency: int = 32
     default_timeout_ms: int = 30_000
     max_timeout_ms: int = 300_000
@@ -186,7 +186,7 @@ def absolute_sqlite_url(url: str) -> str:
 
 
 def documented_settings() -> list[tuple[str, object, str]]:
-    """(variable, default, doc) for every setting: the source of the README's configuration table."""
+    """(variable, default, doc) for every setting: the source of docs/configuration.md's table."""
     return [(PREFIX + f.name.upper(), f.default, DOCS[f.name]) for f in fields(Settings)]
 
 
@@ -229,7 +229,7 @@ DOCS: dict[str, str] = {
     "admission_cap": "Most interactive items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.",
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
-    "door_max_delay_ms": "An inference request whose API process got to it this long after accepting its connection (the process is CPU-bound: a burst) is refused at once with 429 overloaded, so the work already admitted is still answered in time.",
+    "door_max_delay_ms": "An inference request whose API process would get to it this long after its bytes arrived (the process is CPU-bound: a burst) is refused at once from its bytes with 429 overloaded, so that the excess is told fast and the work already admitted is still answered in time; also the longest a call waits for its turn at admission. Whether a request let in can still be answered within its own deadline is admission's call.",
     "admit_concurrency": "Calls one API process takes through admission at once (its Redis round trips and the publish; a call gives its turn up before waiting for RabbitMQ's confirm); the rest wait their turn in arrival order for at most LLMB_DOOR_MAX_DELAY_MS, and the door refuses at once, before the body is read, a call that could not get its turn in time (429 overloaded, Retry-After the expected wait at the measured drain rate). 0: no limit.",
     "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",

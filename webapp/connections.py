@@ -33,6 +33,7 @@ from typing import Any
 import gevent
 
 from webapp.errors import NATIVE, shape_for
+from webapp.intake import Intake
 
 LINGER_S = 2.0  # most time a lingering close reads what the client still sends (nginx: lingering_timeout 5 s)
 LINGER_BYTES = 1 << 20  # ... and at most this much of it
@@ -105,8 +106,11 @@ class NextRequest:
     as the process's own delay (:class:`webapp.door.Door`)."""
 
     def __init__(self, sock: socket.socket, parser: Any, idle_s: float, header_s: float, body_s: float,
-                 arrived: Callable[[float], None], first: bool = False) -> None:
+                 arrived: Callable[[float], None], first: bool = False, intake: Intake | None = None,
+                 refuse: Callable[[socket.socket, float | None], bool] | None = None) -> None:
         self.sock = sock
+        self.intake = intake
+        self.refuse = refuse  # the door refusing from the bytes (webapp.door.AcceptDoor): True if it answered
         self.first = first
         self.parser = parser  # gunicorn's RequestParser of the connection
         self.body_s = body_s
@@ -127,9 +131,24 @@ class NextRequest:
                 raise StopIteration("idle")  # gunicorn's keep-alive loop closes the connection
             if seen:
                 self.arrived(seen)  # it came after the process was ready for it: its own time, not the accept's
+        if self.intake is not None:
+            # behind (others wait their turn): a request that would wait too long is refused now, from its bytes,
+            # not after its turn and a full parse; the others are taken in at the process's pace, in arrival order
+            self._refuse_if_behind(None)
+            began = time.monotonic()
+            self.intake.take()
+            self._refuse_if_behind(time.monotonic() - began)  # its turn came later than the door allows
         self.timer = gevent.Timeout(self.header_s, self.expired)
         self.timer.start()
         return self
+
+    def _refuse_if_behind(self, waited_s: float | None) -> None:
+        """Let the door refuse the request from its bytes while the process is behind: by the line ahead of it
+        (None: it has not waited yet), or by the time it waited for its turn."""
+        assert self.intake is not None
+        behind = self.intake.waiting if waited_s is None else waited_s > 0
+        if behind and self.refuse is not None and self.refuse(self.sock, waited_s):
+            raise StopIteration("refused from its bytes: the process is behind")
 
     def _buffered(self) -> int:
         """Bytes of the next request the parser has already read ahead (a pipelined request: no wait)."""

@@ -90,15 +90,16 @@ class Door:
                                 f"retry in {self.retry_after_s} s", retry_after_s=self.retry_after_s)
             self.held += 1
 
-    def behind_at_accept(self) -> bool:
-        """Whether a request accepted now would be refused for want of time (see :meth:`_expected_delay`)."""
-        return self._late_or_turnless(self._expected_delay())[0]
+    def behind_at_accept(self, delay: float | None = None) -> bool:
+        """Whether a request accepted now would be refused for want of time: by its ``delay`` so far, or (None) by
+        the delay expected of a request arriving now (see :meth:`_expected_delay`)."""
+        return self._late_or_turnless(self._expected_delay() if delay is None else delay)[0]
 
-    def refusal_at_accept(self, caller: str) -> Overloaded | None:
+    def refusal_at_accept(self, caller: str, delay: float | None = None) -> Overloaded | None:
         """The refusal of a request just accepted (see :meth:`behind_at_accept`) unless its caller is light (None:
         let it in). A caller let in here is counted again when its request reaches :meth:`enter`: while the
         process is behind, a light caller looks up to twice as busy as it is (still light unless near the line)."""
-        delay = self._expected_delay()
+        delay = self._expected_delay() if delay is None else delay
         if not self._late_or_turnless(delay)[0] or self.callers.light(caller):
             return None
         return self._behind(delay, caller, None)
@@ -195,21 +196,23 @@ class AcceptDoor:
         self.is_inference = is_inference
         self.held = held
 
-    def __call__(self, sock: socket.socket) -> bool:
-        """Refuse the request on this just-accepted connection if the door would, or the gateway would for want of
-        room (True: answered; the caller closes the connection)."""
-        behind = self.door.behind_at_accept()
+    def __call__(self, sock: socket.socket, delay: float | None = None) -> bool:
+        """Refuse the request on this connection if the door would (by its ``delay`` so far, or by the delay
+        expected now), or the gateway would for want of room (True: answered; the caller closes the connection)."""
+        behind = self.door.behind_at_accept(delay)
         if not behind and (self.held is None or not self.held.any()):
             return False
         request = _peek_request(sock)
         if request is None or not self.is_inference(request.path):
             return False
         caller = request.headers.get("authorization") or request.headers.get("x-tenant") or _tenant_of(request.body)
-        error: QueueFull | None = None if self.held is None else self.held.refusal(request)
+        # a light caller is not held to a flood's FULL verdict (the gateway lets it past: it is served fairly)
+        light = self.door.callers.light(caller)
+        error: QueueFull | None = None if self.held is None or light else self.held.refusal(request)
         if error is not None:
             self.door.callers.arrived(caller)  # counted as if it had entered, as the gateway's refusal would be
         elif behind:
-            error = self.door.refusal_at_accept(caller)
+            error = self.door.refusal_at_accept(caller, delay)
         if error is None:
             return False
         headers, body = _refusal(error, request.path, request.headers.get("x-request-id"))

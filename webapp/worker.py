@@ -15,7 +15,8 @@ Two changes to gunicorn's gevent server make that wait visible:
   accepts up to :data:`ACCEPT_BATCH` at once, so they wait where their delay is measured.
 
 How connections are kept, timed and closed (idle keep-alive, the header timeout from a request's first byte,
-lingering closes, gunicorn's own errors in JSON) is :mod:`webapp.connections`; this worker plugs it in.
+lingering closes, gunicorn's own errors in JSON) is :mod:`webapp.connections`, and the pace at which requests
+are taken in while the process is behind is :mod:`webapp.intake`; this worker plugs both in.
 
 And one to its responses: gunicorn writes a response's headers and its body with a system call each; this
 worker holds the headers back and sends them with the first piece of the body (the two writes were 7.7% of
@@ -41,6 +42,7 @@ from gunicorn.workers.ggevent import GeventWorker
 
 from tasks.config import Settings
 from webapp import connections
+from webapp.intake import Intake
 
 _connection = local()  # per greenlet (gevent's own: this module loads in gunicorn's master, before patching)
 ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
@@ -49,24 +51,32 @@ ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
 CLOSING_STATUSES = frozenset({408, 413, 507})
 
 
-# What may refuse a request on a just-accepted connection before a greenlet is spawned for it (the app's
-# webapp.door.AcceptDoor, set by create_app): True when it answered; the connection is then closed.
-at_accept: Callable[[Any], bool] | None = None
+# What may refuse a request from its bytes, before it is parsed (the app's webapp.door.AcceptDoor, set by
+# create_app): on a just-accepted connection before a greenlet is spawned for it, and at intake with the time
+# the request waited for its turn (None: by the process's backlog). True when it answered; the connection is
+# then closed.
+at_accept: Callable[[Any, float | None], bool] | None = None
 _unstarted: OrderedDict[object, float] = OrderedDict()  # accepted connections whose greenlet has not run yet
+INTAKE: Intake | None = None  # the worker process's pace of intake (made in the worker, after the fork)
 
 
 def backlog() -> tuple[int, float]:
-    """Accepted connections whose greenlet has not run yet, and how long the oldest of them has waited."""
+    """Requests this process has not got to yet: accepted connections whose greenlet has not run, and requests
+    waiting for their turn at intake (:mod:`webapp.intake`); and the least a request arriving now would wait
+    (the oldest of them so far, or the intake's line at its measured rate)."""
     oldest = next(iter(_unstarted.values()), None)
-    return len(_unstarted), 0.0 if oldest is None else time.monotonic() - oldest
+    unstarted_s = 0.0 if oldest is None else time.monotonic() - oldest
+    if INTAKE is None:
+        return len(_unstarted), unstarted_s
+    return len(_unstarted) + INTAKE.waiting, max(unstarted_s, INTAKE.expected_wait_s())
 
 
-def _refused_at_accept(sock: Any) -> bool:
+def _refused_at_accept(sock: Any, waited_s: float | None = None) -> bool:
     """Whether :data:`at_accept` answered the request on ``sock``; a defect of its own sends the request the usual
     way (logged), never takes the connection down."""
     assert at_accept is not None
     try:
-        return at_accept(sock)
+        return at_accept(sock, waited_s)
     except Exception:
         logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
         return False
@@ -177,6 +187,8 @@ class ArrivalTimingWorker(GeventWorker):
         http.get_parser = _remembering(http.get_parser)  # type: ignore[assignment]
         gunicorn_util.write_error = self._write_error  # type: ignore[assignment]  # its own errors, in JSON
         self.settings = Settings.from_env()
+        global INTAKE
+        INTAKE = Intake()
         gevent.spawn(self._close_idle_when_stopping)
         super().run()
 
@@ -196,7 +208,8 @@ class ArrivalTimingWorker(GeventWorker):
         _connection.requests += 1
         idle = self.settings.header_timeout_s if first else self.settings.keepalive_s
         return connections.NextRequest(_connection.client, _connection.parser, idle, self.settings.header_timeout_s,
-                                       self.settings.body_timeout_s, _arrived, first=first)
+                                       self.settings.body_timeout_s, _arrived, first=first, intake=INTAKE,
+                                       refuse=_refused_at_accept if at_accept is not None else None)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         _connection.path = getattr(req, "path", None)
