@@ -196,3 +196,24 @@ def test_with_keys_only_a_key_already_looked_up_is_refused_at_accept(tenants: tu
     directory.principal(key)
     _, server = connection(request({"input": "hello"}, headers={"Authorization": f"Bearer {key}"}))
     assert accept(server)
+
+
+def test_a_light_caller_is_not_held_to_a_floods_full_verdict(tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    """The batchers serve tenants fairly, so a steady tenant's call runs ahead of a flood's queue: the flood's
+    FULL verdict refuses the flood, not it (the gateway lets it past the model's deadline cap the same way)."""
+    store, directory = tenants
+    for tenant in ("flood", "steady"):
+        store.set_tenant(tenant)
+        directory.policy(tenant)
+    verdicts = Verdicts()
+    verdicts.held["sim", Priority.INTERACTIVE] = QueueFull("the service is full", retry_after_s=2)
+    accept = held_door(verdicts, directory)
+    for _ in range(50):
+        accept.door.callers.arrived("flood")
+    accept.door.callers.arrived("steady")
+    _, steady = connection(request({"input": "hello"}, tenant="steady"))
+    assert not accept(steady)  # the usual way
+    client, flood = connection(request({"input": "hello"}, tenant="flood"))
+    assert accept(flood)
+    flood.close()
+    assert answer(client)[2]["error"]["type"] == "queue_full"  # type: ignore[index]
