@@ -121,12 +121,13 @@ class Device:
     much (``idle_ms`` of its "started" announcement), so that the batchers learn to hand the next one over sooner.
     """
 
-    def __init__(self, slots: int) -> None:
+    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.slots = slots
+        self.clock = clock
         self._free = threading.Semaphore(slots)
         self._lock = threading.Lock()
         self._held = 0
-        self._free_since: float | None = time.monotonic()  # None while every slot is taken
+        self._free_since: float | None = clock()  # None while every slot is taken
 
     def acquire(self) -> None:
         self._free.acquire()
@@ -139,7 +140,7 @@ class Device:
         with self._lock:
             self._held -= 1
             if self._free_since is None:
-                self._free_since = time.monotonic()
+                self._free_since = self.clock()
         self._free.release()
 
     def idle_s(self) -> float | None:
@@ -148,7 +149,7 @@ class Device:
             return None
         with self._lock:
             since = self._free_since
-        return 0.0 if since is None else time.monotonic() - since
+        return 0.0 if since is None else self.clock() - since
 
 
 class _Held:

@@ -30,7 +30,7 @@ MAX_OUTSTANDING = 2  # LLMB_MAX_OUTSTANDING_BATCHES, the default
 def _harness(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Hosts]:
     reason = unavailable()
     if reason:
-        pytest.skip(f"network-namespace harness unavailable: {reason}")
+        pytest.fail(f"network-namespace harness unavailable: {reason}")  # a missing service fails, never skips
     with Hosts(HOSTS, logs=Path(tmp_path_factory.mktemp("hosts")), **SETTINGS) as h:
         print(f"\n[hosts] up: network {h.timings.network_s:.1f} s, RabbitMQ {h.timings.rabbitmq_s:.1f} s, "
               f"processes {h.timings.processes_s:.1f} s; logs in {h.logs}", flush=True)

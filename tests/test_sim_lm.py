@@ -115,7 +115,7 @@ def test_greedy_text_ignores_the_seed_and_sampled_text_follows_it(backend: SimLM
     assert greedy != text("hullo", temperature=0)
     assert text("hello", temperature=0.8, seed=7) == text("hello", temperature=0.8, seed=7)
     assert text("hello", temperature=0.8, seed=7) != text("hello", temperature=0.8, seed=8)
-    assert text("hello", temperature=0.8) != text("hello", temperature=0.8)  # no seed: fresh every time
+    assert len({text("hello", temperature=0.8) for _ in range(4)}) > 1  # no seed: fresh samples each time
 
 
 def test_greedy_text_is_the_same_alone_or_batched(backend: SimLMBackend) -> None:
