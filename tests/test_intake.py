@@ -16,9 +16,10 @@ def wait_until(predicate: object, timeout_s: float = 5.0) -> None:
 def test_at_most_per_tick_requests_start_in_one_tick_and_in_arrival_order() -> None:
     intake = Intake(per_tick=4, tick_s=0.2)
     started: list[int] = []
+    waits: dict[int, float | None] = {}
 
     def request(i: int) -> None:
-        intake.take()
+        waits[i] = intake.take()
         started.append(i)
 
     greenlets = [gevent.spawn(request, i) for i in range(10)]
@@ -28,6 +29,9 @@ def test_at_most_per_tick_requests_start_in_one_tick_and_in_arrival_order() -> N
     assert started == list(range(8))
     gevent.joinall(greenlets, timeout=5)
     assert started == list(range(10))
+    # the first four went at once; the others say how long they waited in line (at least a tick for 4-7)
+    assert [waits[i] for i in range(4)] == [None] * 4
+    assert all((waits[i] or 0.0) >= 0.2 for i in range(4, 10))
 
 
 def test_an_idle_process_runs_no_timer_and_takes_at_once() -> None:

@@ -135,19 +135,20 @@ class NextRequest:
             # behind (others wait their turn): a request that would wait too long is refused now, from its bytes,
             # not after its turn and a full parse; the others are taken in at the process's pace, in arrival order
             self._refuse_if_behind(None)
-            began = time.monotonic()
-            self.intake.take()
-            self._refuse_if_behind(time.monotonic() - began)  # its turn came later than the door allows
+            waited = self.intake.take()
+            if waited is not None:
+                self._refuse_if_behind(waited)  # it waited in line: its turn may have come later than the door allows
         self.timer = gevent.Timeout(self.header_s, self.expired)
         self.timer.start()
         return self
 
     def _refuse_if_behind(self, waited_s: float | None) -> None:
         """Let the door refuse the request from its bytes while the process is behind: by the line ahead of it
-        (None: it has not waited yet), or by the time it waited for its turn."""
+        (None: it has not waited yet; only while others wait), or by the time it waited for its turn."""
         assert self.intake is not None
-        behind = self.intake.waiting if waited_s is None else waited_s > 0
-        if behind and self.refuse is not None and self.refuse(self.sock, waited_s):
+        if waited_s is None and not self.intake.waiting:
+            return
+        if self.refuse is not None and self.refuse(self.sock, waited_s):
             raise StopIteration("refused from its bytes: the process is behind")
 
     def _buffered(self) -> int:

@@ -42,18 +42,22 @@ class Intake:
         self.rate = per_tick / tick_s  # requests a second taken in while behind (measured; at first the bound)
         self._refilled_at = 0.0
 
-    def take(self) -> None:
-        """Wait for a token (at once unless ``per_tick`` requests started in this tick already)."""
+    def take(self) -> float | None:
+        """Wait for a token (at once unless ``per_tick`` requests started in this tick already); how long it
+        waited in line, None when it did not."""
+        waited = None
         if self._since or not self._tokens.acquire(blocking=False):  # behind others: in line after them
-            ticket = object()
-            self._since[ticket] = time.monotonic()
+            ticket, began = object(), time.monotonic()
+            self._since[ticket] = began
             try:
                 self._tokens.acquire()
             finally:
                 del self._since[ticket]
+            waited = time.monotonic() - began
         if not self._refilling:
             self._refilling, self._refilled_at = True, time.monotonic()
             gevent.spawn_later(self.tick_s, self._refill)
+        return waited
 
     @property
     def waiting(self) -> int:
