@@ -23,15 +23,11 @@ import json
 import queue
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def measure(backend: Any, slots: int, rate: float, duration: float, seed: int = 1) -> dict[str, Any]:
@@ -172,7 +168,7 @@ def main() -> None:
 
     path = args.model
     if path is None:
-        from tests.models import build_tiny_llama
+        from tests.harness.models import build_tiny_llama
 
         path = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny-llama"))
     if args.burst:

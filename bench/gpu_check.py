@@ -26,9 +26,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 DEFAULT_MODEL = "Qwen/Qwen2.5-0.5B-Instruct"
 CANNOT_LOAD = 2
 
@@ -113,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     args.cb_max_batch_tokens = args.cb_max_batch_tokens or (2048 if gpu else 512)
     path = args.model
     if args.tiny:
-        from tests.models import build_tiny_llama
+        from tests.harness.models import build_tiny_llama
 
         path = str(build_tiny_llama(Path(tempfile.mkdtemp(prefix="llmb-tiny-")) / "tiny-llama"))
     where = torch.cuda.get_device_name(0) if gpu else f"CPU, {torch.get_num_threads()} torch threads"

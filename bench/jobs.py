@@ -26,10 +26,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tests.harness.stack import Stack, wait_for
 
-from tests.stack import Stack, wait_for  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 LOAD = [sys.executable, str(ROOT / "bench" / "load.py")]
 

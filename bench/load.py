@@ -29,12 +29,10 @@ from urllib.parse import urlparse  # noqa: E402
 import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+if __package__:  # python -m bench.load
+    from bench.stats import percentile
+else:  # python bench/load.py, as the benchmarks run it: the script's own folder is first on sys.path
+    from stats import percentile  # type: ignore[no-redef]
 
 
 def post(address: tuple[str, int], request: bytes, timeout_s: float,

@@ -7,7 +7,7 @@
 
 Each starts its own system (gunicorn with two processes, the batcher(s), one sim worker at 250 ms per batch:
 400 requests/s) with API keys on, on the local RabbitMQ and Redis, prints one JSON line per run and writes
-nothing else. Clients keep connections in a pool and never retry (``tests/pooled.py``), so a connection the
+nothing else. Clients keep connections in a pool and never retry (``tests/harness/pooled.py``), so a connection the
 server drops or closes under a request counts as an error here.
 """
 from __future__ import annotations
@@ -16,19 +16,15 @@ import argparse
 import asyncio
 import json
 import random
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from tests import pooled  # noqa: E402
-from tests.services import Vhost  # noqa: E402
-from tests.stack import Stack  # noqa: E402
+from tests.harness import pooled
+from tests.harness.services import Vhost
+from tests.harness.stack import Stack
 
 
 def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> Stack:

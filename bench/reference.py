@@ -17,17 +17,16 @@ monkey.patch_all()
 
 import argparse  # noqa: E402
 import json  # noqa: E402
-import sys  # noqa: E402
 import time  # noqa: E402
 from collections.abc import Callable, Iterable  # noqa: E402
-from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
 import gevent  # noqa: E402
 from gevent.event import AsyncResult, Event  # noqa: E402
 from gevent.pywsgi import WSGIServer  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# tasks and gpu_worker come from the project's installation (bin/ installs it, editable, into .venv), so this
+# file also runs as a script (python bench/reference.py)
 from gpu_worker.backends.sim import sim_output  # noqa: E402
 from tasks.policy.fairness import FairBuffer  # noqa: E402
 from tasks.policy.flush import FlushPolicy  # noqa: E402

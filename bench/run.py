@@ -25,10 +25,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tests.harness.stack import Stack, free_port, wait_for
 
-from tests.stack import Stack, free_port, wait_for  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 PYTHON = sys.executable
 LOAD = [PYTHON, str(ROOT / "bench" / "load.py")]

@@ -67,7 +67,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from tasks.state.keys import Keys
     from tasks.state.metrics import Stats
     from tasks.state.results import ResultWriter
-    from tasks.store.ledger import LedgerWriter
+    from tasks.store.ledger_writer import LedgerWriter
 
     settings = Settings.from_env()
     setup_logging(settings)

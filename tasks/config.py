@@ -58,6 +58,8 @@ class Settings:
     max_body_bytes: int = 1_048_576
     body_timeout_s: float = 10.0
     door_max_delay_ms: float = 2500.0
+    door_standing_delay_ms: float = 1000.0
+    door_standing_after_ms: float = 2000.0
     admit_concurrency: int = 32
     default_timeout_ms: int = 30_000
     max_timeout_ms: int = 300_000
@@ -230,6 +232,8 @@ DOCS: dict[str, str] = {
     "max_inputs_per_call": "Largest 'inputs' list accepted by one call.",
     "max_body_bytes": "Largest request body; larger bodies get 413.",
     "door_max_delay_ms": "An inference request whose API process would get to it this long after its bytes arrived (the process is CPU-bound: a burst) is refused at once from its bytes with 429 overloaded, so that the excess is told fast and the work already admitted is still answered in time; also the longest a call waits for its turn at admission. Whether a request let in can still be answered within its own deadline is admission's call.",
+    "door_standing_delay_ms": "The door's bound once its line has stood (a steady overload, not a burst): when requests have waited over half this for their process for LLMB_DOOR_STANDING_AFTER_MS, the bound drops from LLMB_DOOR_MAX_DELAY_MS to this, so that a steady excess is refused fast instead of after the long bound (CoDel's idea); it rises again once a request waits under half this.",
+    "door_standing_after_ms": "How long the door's line must stand (every request waiting over half LLMB_DOOR_STANDING_DELAY_MS) before it counts as a steady overload rather than a transient burst.",
     "admit_concurrency": "Calls one API process takes through admission at once (its Redis round trips and the publish; a call gives its turn up before waiting for RabbitMQ's confirm); the rest wait their turn in arrival order for at most LLMB_DOOR_MAX_DELAY_MS, and the door refuses at once, before the body is read, a call that could not get its turn in time (429 overloaded, Retry-After the expected wait at the measured drain rate). 0: no limit.",
     "body_timeout_s": "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.",
     "default_timeout_ms": "Deadline of a request that gives no timeout_ms.",

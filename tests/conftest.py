@@ -12,9 +12,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.stack import Stack
+from tests.harness.stack import Stack
 
-pytest_plugins = ["tests.services"]  # fixtures of private services: private_redis, own_vhost, private_rabbit, rabbit
+# fixtures of private services: private_redis, own_vhost, private_rabbit, rabbit
+pytest_plugins = ["tests.harness.services"]
 
 PG_ADMIN = os.environ.get("LLMB_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432/test")
 

@@ -11,7 +11,9 @@ import redis
 from tasks.policy.capacity import deadline_cap, recommended_workers, retry_after_s
 from tasks.schema import WorkerInfo
 from tasks.state.admission import Admission, AdmitCall, CollectCall, Ticket, Verdict
-from tests.stack import REDIS_URL, wait_for
+from tasks.state.model_load import model_load
+from tests.admitting import collect, try_admit
+from tests.harness.stack import REDIS_URL, wait_for
 
 
 def redis_now(client: redis.Redis) -> float:
@@ -67,7 +69,7 @@ def test_a_refusal_for_room_says_how_much_is_ahead() -> None:
 
     def admit(n: int, ticket: Ticket, **caps: int) -> tuple[Verdict, int]:
         ids = [uuid.uuid4().hex for _ in range(n)]
-        decision = adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, **caps)
+        decision = try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, **caps)
         return decision.verdict, decision.ahead
 
     try:
@@ -87,7 +89,7 @@ def test_admission_caps_against_the_real_redis() -> None:
     import redis
 
     from tasks.state.admission import Admission, Ticket, Verdict
-    from tests.stack import REDIS_URL
+    from tests.harness.stack import REDIS_URL
 
     client = redis.Redis.from_url(REDIS_URL)
     ns = f"adm{uuid.uuid4().hex[:8]}"
@@ -98,8 +100,8 @@ def test_admission_caps_against_the_real_redis() -> None:
     def admit(ticket: Ticket, n: int, *, model_cap: int = 10, tenant_cap: int = 100, timeout_s: float = 30
               ) -> tuple[Verdict, list[str]]:
         ids = [uuid.uuid4().hex for _ in range(n)]
-        verdict, *_ = adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=timeout_s,
-                                   model_cap=model_cap, tenant_cap=tenant_cap)
+        verdict, *_ = try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=timeout_s,
+                                model_cap=model_cap, tenant_cap=tenant_cap)
         return verdict, ids
 
     try:
@@ -110,11 +112,11 @@ def test_admission_caps_against_the_real_redis() -> None:
         assert admit(chat, 3)[0] is Verdict.FULL
         assert admit(Ticket("small", "sim"), 3, tenant_cap=2)[0] is Verdict.TENANT_FULL
         assert adm.tenant_in_flight("chat", now) == 8 and adm.in_flight(now) == 18
-        oldest = adm.model_load(["sim"], now + 2)["sim"]
+        oldest = model_load(adm, ["sim"], now + 2)["sim"]
         assert 1.9 < oldest.oldest_age_s < 2.1 and oldest.rate_per_s > 0  # interactive arrivals only
         adm.release(chat, chat_ids)
         assert adm.tenant_in_flight("chat", now) == 0 and adm.in_flight(now) == 10
-        assert adm.model_load(["sim"], now)["sim"].oldest_age_s == 0.0
+        assert model_load(adm, ["sim"], now)["sim"].oldest_age_s == 0.0
         assert admit(chat, 10)[0] is Verdict.OK
         # an API process that died leaks nothing past its callers' deadlines (Redis's clock decides)
         verdict, gone = admit(Ticket("gone", "sim"), 5, model_cap=100, timeout_s=0.2)
@@ -126,8 +128,8 @@ def test_admission_caps_against_the_real_redis() -> None:
         assert admit(Ticket("gone", "sim"), 5, model_cap=100, tenant_cap=5)[0] is Verdict.OK
         # an API host whose clock runs an hour fast purges nobody else's live admissions
         ids = [uuid.uuid4().hex for _ in range(3)]
-        assert adm.try_admit(ids, ["h"] * 3, ticket=Ticket("skewed", "sim"), now=time.time() + 3600, timeout_s=30,
-                             model_cap=1000, tenant_cap=100)[0] is Verdict.OK
+        assert try_admit(adm, ids, ["h"] * 3, ticket=Ticket("skewed", "sim"), now=time.time() + 3600, timeout_s=30,
+                         model_cap=1000, tenant_cap=100)[0] is Verdict.OK
         assert adm.tenant_in_flight("chat", time.time()) == 10
     finally:
         for key in client.scan_iter(f"{ns}:*"):
@@ -150,8 +152,8 @@ def test_offline_items_have_their_own_global_cap(ns: tuple[redis.Redis, str]) ->
 
     def admit(ticket: Ticket, n: int) -> Verdict:
         ids = [uuid.uuid4().hex for _ in range(n)]
-        return adm.try_admit(ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=1000,
-                             tenant_cap=1000)[0]
+        return try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=1000,
+                         tenant_cap=1000)[0]
 
     assert admit(Ticket("job", "sim", "offline"), 50) is Verdict.OK
     assert admit(Ticket("job", "sim", "offline"), 1) is Verdict.FULL
@@ -166,8 +168,8 @@ def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: 
     alive = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="alive", lease_s=5)
     for ticket in (Ticket("t", "sim"), Ticket("job", "sim", "offline")):
         ids = [uuid.uuid4().hex for _ in range(5)]
-        assert dead.try_admit(ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
-                              model_cap=100)[0] is Verdict.OK
+        assert try_admit(dead, ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
+                         model_cap=100)[0] is Verdict.OK
     assert alive.renew() == 0 and dead.in_flight(time.time()) == 10
     lease_ends = client.zscore(dead.leases_key, "dead")
     assert lease_ends is not None
@@ -186,8 +188,8 @@ def test_with_no_api_process_left_a_reaper_without_a_lease_releases_what_a_lapse
     cut = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="cut", lease_s=0.2)
     reaper = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine")
     ids = [uuid.uuid4().hex for _ in range(7)]
-    assert cut.try_admit(ids, ["h"] * 7, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=3600,
-                         model_cap=100)[0] is Verdict.OK
+    assert try_admit(cut, ids, ["h"] * 7, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=3600,
+                     model_cap=100)[0] is Verdict.OK
     assert cut.renew() == 0 and reaper.reap() == 0
     lease_ends = client.zscore(cut.leases_key, "cut")
     assert lease_ends is not None
@@ -203,12 +205,12 @@ def test_a_call_that_reaches_redis_after_its_caller_gave_up_is_not_admitted(ns: 
     client, prefix = ns
     adm = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="api", lease_s=5)
     ids = [uuid.uuid4().hex for _ in range(3)]
-    late = adm.try_admit(ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30, model_cap=100,
-                         valid_until=redis_now(client) - 0.5)
+    late = try_admit(adm, ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30, model_cap=100,
+                     valid_until=redis_now(client) - 0.5)
     assert late.verdict is Verdict.LATE
     assert adm.in_flight(time.time()) == 0 and not client.hlen(adm.owner_key)
-    in_time = adm.try_admit(ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30,
-                            model_cap=100, valid_until=redis_now(client) + 2.5)
+    in_time = try_admit(adm, ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30,
+                        model_cap=100, valid_until=redis_now(client) + 2.5)
     assert in_time.verdict is Verdict.OK and adm.in_flight(time.time()) == 3
 
 
@@ -222,8 +224,8 @@ def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_pa
 
     def admit(tokens: list[int], timeout_s: float = 30) -> tuple[list[str], Verdict]:
         ids = [uuid.uuid4().hex for _ in tokens]
-        decision = adm.try_admit(ids, ["h"] * len(ids), ticket=lm, now=time.time(), timeout_s=timeout_s,
-                                 model_cap=1000, tokens=tokens, token_cap=10_000)
+        decision = try_admit(adm, ids, ["h"] * len(ids), ticket=lm, now=time.time(), timeout_s=timeout_s,
+                             model_cap=1000, tokens=tokens, token_cap=10_000)
         return ids, decision.verdict
 
     first, verdict = admit([3000, 3000])
@@ -234,7 +236,7 @@ def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_pa
     assert verdict is Verdict.OK and adm.tokens_held("lm") == 10_000
 
     client.set(f"{prefix}:r:{first[0]}", "done")
-    adm.collect(lm, first, [f"{prefix}:r:{first[0]}", f"{prefix}:r:{first[1]}"])  # one answered
+    collect(adm, lm, first, [f"{prefix}:r:{first[0]}", f"{prefix}:r:{first[1]}"])  # one answered
     assert adm.tokens_held("lm") == 7000
     adm.release(lm, [first[1]])
     assert adm.tokens_held("lm") == 4000

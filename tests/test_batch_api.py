@@ -21,8 +21,8 @@ from sqlalchemy import func, inspect, select
 from sqlalchemy.orm import Session
 
 from tasks.store.models import RequestRecord, make_engine
-from tests.helpers import expected
-from tests.stack import Stack, wait_for
+from tests.harness.helpers import expected
+from tests.harness.stack import BROKER_URL, REDIS_URL, Stack, wait_for
 
 if os.environ.get("CI"):
     import openai
@@ -269,7 +269,8 @@ def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_s
     other = holder(jobs_stack, batch.id)  # the other process takes the job over once the lease lapses
     assert other != running
     jobs_stack.start_jobs(running)  # and the killed one comes back (it finds the job held)
-    # (a line the killed process had claimed its key for but not yet published runs once its lease lapses)
+    # (a line the killed process had claimed its key for and not marked published is waited for: its answer when it
+    # was published, else it runs once its deadline has passed: test_a_line_sent_again_never_runs_... below)
     done = finished(alice, batch.id, timeout_s=90)
     assert done.status == "completed" and done.request_counts.completed == 400
     outputs = read(alice, done.output_file_id)
@@ -282,6 +283,101 @@ def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_s
     runs = ledger_runs(jobs_stack, batch.id)
     assert set(runs.values()) == {1}, {k: n for k, n in runs.items() if n > 1}
     assert jobs_stack.items_done() - items_before == 400
+
+
+class Device:
+    """What a publish leads to, in place of RabbitMQ, a batcher and a worker: every item of every request published
+    runs at once (its result written and its caller woken, as a worker's are), counted by request id."""
+
+    def __init__(self, writer: Any) -> None:
+        self.writer = writer
+        self.runs: Counter[str] = Counter()
+
+    def publish(self, requests_: Any, timeout_s: float) -> None:
+        for r in requests_:
+            self.runs[r.id] += 1
+            run(self.writer, r.id, [(i.id, i.input) for i in r.items], r.reply_to)
+
+
+def run(writer: Any, request_id: str, items: list[tuple[str, str]], reply_to: str) -> None:
+    """A worker's run of these items: their results written, their caller woken."""
+    from tasks.schema import BatchItem, ItemResult
+
+    now = time.time()
+    writer.write([(BatchItem(item_id, request_id, text, now + 60, now, reply_to),
+                   ItemResult(output=f"ran {text}", batch_id="b", batch_size=1, worker="w", started_at=now, run_ms=1.0))
+                  for item_id, text in items])
+
+
+def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_its_mark_twice(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The race behind the SIGKILL test above, at the Redis level with the real gateway and line runner: the killed
+    process had claimed a line's key (its record says ``published: false``), published it, and died before marking
+    it published, so its process holds no lease and the gateway would take the key over and run the line again.
+    The process that takes the job over waits for that sending instead: its answer once its results are in (there
+    already, or later), and only once its deadline has passed without one is the line run (once)."""
+    import threading
+    import uuid
+
+    from tasks.config import Settings
+    from tasks.policy.batchfile import idempotency_key, line_request_id
+    from tasks.schema import WorkerInfo
+    from tasks.state.records import Idempotency, Record, Shape
+    from tasks.state.results import ResultWriter
+    from tasks.store.jobs import JobStore, Line
+    from tasks.store.models import Base
+    from webapp.jobs import LineRunner
+    from webapp.services import Services
+
+    settings = Settings(namespace=f"resend-{uuid.uuid4().hex[:8]}", redis_url=REDIS_URL, broker_url=BROKER_URL,
+                        database_url=f"sqlite:///{tmp_path / 'llmb.db'}", result_recheck_ms=100,
+                        jobs_line_timeout_ms=20_000)
+    Base.metadata.create_all(make_engine(settings.database_url))
+    services = Services.from_settings(settings)
+    gateway = services.gateway
+    device = Device(ResultWriter.from_settings(settings, gateway.client))
+    monkeypatch.setattr(gateway.publisher, "publish", device.publish)
+    now = gateway.clock()
+    gateway.fleet.beat(WorkerInfo(id="gpu0@test", queue="q", model="sim", max_batch=8, state="idle", outstanding=0,
+                                  completed=1, batch_started_at=None, batch_ms_estimate=10.0, heartbeat_at=now + 600))
+    job = JobStore.from_settings(settings).create("alice", "/v1/infer", "file-x", "24h", None, now)
+    runner = LineRunner(services)
+
+    def line(n: int) -> Line:
+        return Line(job.id, n, f"line-{n}", line_request_id(job.id, n), json.dumps({"input": f"text {n}"}), 0)
+
+    def killed_sending(n: int, deadline_s: float) -> str:
+        """Line n as the killed process left it: claimed (unmarked) by a process with no lease; its item id."""
+        idem = Idempotency.of(idempotency_key(job.id, f"line-{n}"), job.endpoint, {"input": f"text {n}"})
+        at = gateway.clock()
+        first = Record(request_id=line_request_id(job.id, n), tenant="alice", model="sim", items=(uuid.uuid4().hex,),
+                       accepted_at=at, deadline=at + deadline_s, instance="killed", shape=Shape("infer", single=True),
+                       published=False, key_hash=idem.key_hash)
+        assert gateway.requests.claim(first, idem, at).claimed
+        return first.items[0]
+
+    try:
+        # it ran, and its result is in before the job is taken over: its answer, and no second run
+        item = killed_sending(1, 30)
+        run(device.writer, line(1).request_id, [(item, "text 1")], "nobody")
+        first = runner(job, line(1))
+        assert device.runs == Counter(), "the line was published again"
+        assert (first.status_code, first.ran, first.body["output"]) == (200, False, "ran text 1"), first
+        # it is still running when the job is taken over: waited for, then its answer
+        item = killed_sending(2, 30)
+        later = threading.Timer(1.0, run, (device.writer, line(2).request_id, [(item, "text 2")], "nobody"))
+        later.start()
+        second = runner(job, line(2))
+        later.join()
+        assert device.runs == Counter(), "the line was published again"
+        assert (second.status_code, second.ran, second.body["output"]) == (200, False, "ran text 2"), second
+        # it never ran and its deadline passes without a result: the line runs, once
+        killed_sending(3, 1)
+        third = runner(job, line(3))
+        assert (third.status_code, third.ran, third.body["output"]) == (200, True, "ran text 3"), third
+        assert device.runs == Counter({line(3).request_id: 1})
+    finally:
+        gateway.client.delete(*gateway.client.keys(f"{settings.namespace}:*") or ["none"])
 
 
 @pytest.mark.fault
@@ -330,7 +426,7 @@ def test_a_tenant_at_its_cap_backs_off_and_its_job_still_completes(jobs_stack: S
 def test_db_upgrade_creates_the_batch_tables(database_url: str) -> None:
     import subprocess
 
-    from tests.stack import BIN, ROOT
+    from tests.harness.stack import BIN, ROOT
 
     def admin(*args: str) -> None:
         done = subprocess.run([str(BIN / "llmb-admin"), "--database-url", database_url, *args], cwd=ROOT,
@@ -351,7 +447,7 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
     """Redis (a private one, no persistence) SIGKILLed and started again mid-job: every record, claim and result it
     held is gone. The job completes with every line's own output; a line already finished in the database before
     the restart is not sent again (lines that were in flight may be: their first run's answer was lost)."""
-    from tests.services import PrivateRedis
+    from tests.harness.services import PrivateRedis
 
     private = PrivateRedis().start()
     s = Stack(tmp_path, redis_url=private.url, auth="keys", auth_cache_s=0.5, heartbeat_interval_s=0.25,

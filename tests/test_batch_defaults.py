@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import BIN, ROOT, Stack
+from tests.harness.stack import BIN, ROOT, Stack
 
 if not os.environ.get("CI"):
     pytest.importorskip("openai", reason="bin/test installs the test extra (the official openai client)")

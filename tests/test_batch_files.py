@@ -21,7 +21,7 @@ import requests
 from sqlalchemy.orm import Session
 
 from tasks.store.models import FileRecord, make_engine
-from tests.stack import Stack
+from tests.harness.stack import Stack
 
 if os.environ.get("CI"):
     import openai

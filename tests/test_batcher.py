@@ -265,7 +265,7 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     from tasks.state.fleet import Fleet
     from tasks.state.quarantine import Quarantine
     from tasks.state.results import ResultWriter
-    from tests.stack import BROKER_URL, REDIS_URL
+    from tests.harness.stack import BROKER_URL, REDIS_URL
 
     h = Harness(size=1, workers=1)
     h.submit("a")
@@ -304,7 +304,7 @@ def test_a_worker_nobody_consumes_gets_no_batch_until_its_queue_has_a_consumer()
     from tasks.state.fleet import Fleet
     from tasks.state.quarantine import Quarantine
     from tasks.state.results import ResultWriter
-    from tests.stack import BROKER_URL, REDIS_URL
+    from tests.harness.stack import BROKER_URL, REDIS_URL
 
     ns = f"t{uuid.uuid4().hex[:10]}"
     h = Harness(size=1, workers=1)

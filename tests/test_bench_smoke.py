@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.stack import ROOT
+from tests.harness.stack import ROOT
 
 HTTP_ANSWERS = {"200", "429", "503", "504"}  # what a working system answers an open-loop load with
 
@@ -72,7 +72,7 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> 
 def test_the_load_generator_reuses_connections_with_keep_alive(tmp_path: Path) -> None:
     """``bench/load.py --keep-alive`` (a client's connection pool) against the in-process reference: every request
     answered once, on far fewer connections than requests; without it, one connection per request."""
-    from tests.stack import free_port, wait_for
+    from tests.harness.stack import free_port, wait_for
 
     port = free_port()
     server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "reference.py"), "--port", str(port),

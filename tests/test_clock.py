@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from tasks.state.clock import SharedClock
-from tests.helpers import assert_json_error, expected, post, post_many
-from tests.stack import REDIS_URL, Stack, free_port, wait_for
+from tests.harness.helpers import assert_json_error, expected, post, post_many
+from tests.harness.stack import REDIS_URL, Stack, free_port, wait_for
 
 
 def redis_now(client: redis.Redis) -> float:

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests import pooled
-from tests.services import Vhost
-from tests.stack import Stack
+from tests.harness import pooled
+from tests.harness.services import Vhost
+from tests.harness.stack import Stack
 
 GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 

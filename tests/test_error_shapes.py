@@ -16,7 +16,7 @@ from flask.testing import FlaskClient
 
 from tasks.config import Settings
 from tasks.store.models import Base, make_engine
-from tests.services import PrivateRedis
+from tests.harness.services import PrivateRedis
 from webapp import batch_api, create_app
 from webapp.errors import NATIVE, OPENAI, shape_for
 from webapp.services import services

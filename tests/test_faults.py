@@ -27,9 +27,9 @@ from typing import Any
 import pytest
 import requests
 
-from tests.helpers import assert_json_error, expected, post
-from tests.loadgen import LoadReport, SteadyLoad, carry_on, warm
-from tests.stack import Stack, alive, wait_for
+from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.loadgen import LoadReport, SteadyLoad, carry_on, warm
+from tests.harness.stack import Stack, alive, wait_for
 
 pytestmark = pytest.mark.fault
 

@@ -20,8 +20,8 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tasks.store.models import BatchRecord, QuarantineRecord, RequestRecord, make_engine
-from tests.helpers import assert_json_error, expected, post
-from tests.stack import Stack, wait_for
+from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.stack import Stack, wait_for
 
 RAISE, KILL = "__raise_here__", "__kill_here__"
 

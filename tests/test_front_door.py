@@ -25,14 +25,14 @@ import requests
 from flask import Flask
 from flask.testing import FlaskClient
 
-from tasks.broker.gateway import FULL_HOLD_S
 from tasks.config import Settings
 from tasks.errors import InvalidInput, QueueFull
+from tasks.policy.refusal import FULL_HOLD_S
 from tasks.schema import Priority
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
-from tests.helpers import assert_json_error, expected, post
-from tests.stack import ROOT, Stack, wait_for
+from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.stack import ROOT, Stack, wait_for
 from webapp import create_app
 from webapp.body import parse_json
 from webapp.services import services
@@ -398,10 +398,10 @@ async def _hold_connections(host: str, port: int, total: int, share: int) -> lis
 def test_a_request_the_process_got_to_too_late_is_refused_before_anything_else() -> None:
     """The door's own queue: past max_delay_s between a connection's accept and its handler, 429 overloaded."""
     from tasks.errors import Overloaded
-    from webapp.door import Door
+    from tasks.policy.shedding import Door
 
     now = [100.0]
-    door = Door(limit=10, retry_after_s=1, max_delay_s=1.0, clock=lambda: now[0])
+    door = Door(limit=10, retry_after_s=1, bound=1.0, clock=lambda: now[0])
     door.enter(arrived_at=99.5)
     with pytest.raises(Overloaded) as refused:
         door.enter(arrived_at=98.0)

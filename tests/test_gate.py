@@ -1,13 +1,13 @@
-"""The turnstile in front of admission (tasks/broker/gate.py) and the door's use of it, with an injected clock."""
+"""The turnstile in front of admission (tasks/gateway/gate.py) and the door's use of it, with an injected clock."""
 from __future__ import annotations
 
 import math
 
 import pytest
 
-from tasks.broker.gate import Gate
 from tasks.errors import Overloaded
-from webapp.door import Door
+from tasks.gateway.gate import Gate
+from tasks.policy.shedding import Door
 
 
 def wait(gate: Gate, n: int, since: float) -> None:
@@ -50,7 +50,7 @@ def test_a_call_that_waits_too_long_for_its_turn_is_refused() -> None:
 def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_time() -> None:
     clock = Clock()
     gate = Gate(slots=4, max_wait_s=1.0, clock=clock)
-    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, clock=clock, gate=gate)
+    door = Door(limit=100, retry_after_s=1, bound=1.0, clock=clock, gate=gate)
     door.enter(clock.now)
     gate.hold_s = 0.04  # 4 slots of 40 ms: 100 calls a second
     wait(gate, 130, since=clock.now)  # 1.3 s of queue (it has 1 s)
@@ -68,7 +68,7 @@ def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_
 
 def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
     clock = Clock()
-    door = Door(limit=10_000, retry_after_s=1, max_delay_s=1.0, clock=clock)
+    door = Door(limit=10_000, retry_after_s=1, bound=1.0, clock=clock)
     for i in range(500):
         clock.now += 0.002  # the flood: 500 a second
         door.enter(clock.now, "flood")
@@ -79,7 +79,7 @@ def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
         door.enter(late, "flood")
     door.enter(late, "steady")  # well under an even share of the recent requests: let in
     door.enter(late, "", identify=lambda: "steady")  # named only in its body, read when about to refuse
-    alone = Door(limit=10_000, retry_after_s=1, max_delay_s=1.0, clock=clock)
+    alone = Door(limit=10_000, retry_after_s=1, bound=1.0, clock=clock)
     with pytest.raises(Overloaded):  # a single caller is never "light": shedding still works for it
         alone.enter(late, "only")
 

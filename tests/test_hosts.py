@@ -16,8 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.loadgen import LATE_SLACK_S, LoadReport
-from tests.netns import ApiCut, Hosts, api_cut, batcher_cut, fairness, gpu_cut, outcome_counts, unavailable
+from tests.harness.loadgen import LATE_SLACK_S, LoadReport
+from tests.harness.netns.hosts import Hosts, unavailable
+from tests.harness.netns.scenarios import ApiCut, api_cut, batcher_cut, fairness, gpu_cut, outcome_counts
 
 pytestmark = pytest.mark.fault
 
@@ -55,7 +56,7 @@ def _s(seconds: float | None) -> str:
 
 
 def released(h: Hosts, within_s: float = 5.0) -> None:
-    from tests.stack import wait_for
+    from tests.harness.stack import wait_for
 
     try:
         wait_for(lambda: h.inflight() == 0, within_s, "the admission set to empty")
@@ -172,7 +173,7 @@ def test_fairness_and_outstanding_batches_with_one_and_two_batchers(h: Hosts) ->
     """A steady tenant (10 req/s) beside another's flood (100 calls x 40 items at 25 calls/s: 1,000 items/s
     against ~660/s of capacity), once with one batcher and once with two (one active). Measured: the steady
     tenant's p50/p99 during the flood, and the most batches ever outstanding on one worker."""
-    from tests.stack import wait_for
+    from tests.harness.stack import wait_for
 
     standby = next(b for b in h.batcher_hosts if b != h.active_batcher())
     h.signal(standby)

@@ -23,7 +23,7 @@ from tasks.policy.feeding import MAX_LINE_ATTEMPTS, FeedControl
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
 from tasks.store.models import Base, FileRecord, make_engine
-from tests.stack import wait_for
+from tests.harness.stack import wait_for
 
 SETTINGS = Settings(jobs_poll_s=0.02, jobs_lease_s=1.0, jobs_initial_in_flight=4, jobs_max_in_flight=50)
 

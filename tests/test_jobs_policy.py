@@ -25,7 +25,16 @@ from tasks.policy.batchfile import (
     read_lines,
     response_line,
 )
-from tasks.policy.feeding import MAX_LINE_ATTEMPTS, FeedControl, Verdict, gives_up, pick_jobs, verdict
+from tasks.policy.feeding import (
+    EARLIER_GRACE_S,
+    MAX_LINE_ATTEMPTS,
+    FeedControl,
+    Verdict,
+    gives_up,
+    pick_jobs,
+    verdict,
+    waits_for_earlier,
+)
 
 
 class Clock:
@@ -129,6 +138,20 @@ def test_what_an_answer_means_for_its_line() -> None:
 def _line(custom_id: object, url: str = "/v1/infer", method: str = "POST", body: object = None) -> bytes:
     return json.dumps({"custom_id": custom_id, "method": method, "url": url,
                        "body": {"input": "x"} if body is None else body}).encode()
+
+
+def test_a_line_sent_again_waits_for_an_unmarked_sending_until_its_answer_or_past_its_deadline() -> None:
+    """The killed process published the line and died before marking it (``published`` False): the line sent
+    again waits for that sending's answer, until its deadline and the grace have passed; a marked sending (or
+    one from before the mark) is the gateway's to follow, and an answered one is not waited for."""
+    clock = Clock()
+    deadline = clock.now + 30
+    assert waits_for_earlier(False, False, deadline, clock.now)
+    assert waits_for_earlier(False, False, deadline, clock.advance(30 + EARLIER_GRACE_S - 0.1))
+    assert not waits_for_earlier(False, False, deadline, clock.advance(0.1))  # it can no longer run: send it
+    assert not waits_for_earlier(False, True, deadline, deadline - 10)  # answered: its answer
+    assert not waits_for_earlier(True, False, deadline, deadline - 10)  # marked: the gateway follows it
+    assert not waits_for_earlier(None, False, deadline, deadline - 10)  # from before the mark: followed too
 
 
 def test_a_batch_input_file_is_parsed_and_every_fault_is_named_with_its_line() -> None:

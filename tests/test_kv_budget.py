@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.stack import Stack, wait_for
+from tests.harness.stack import Stack, wait_for
 
 KV_TOKENS, CONTEXT = 2048, 512
 

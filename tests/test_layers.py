@@ -7,7 +7,8 @@
 - ``tasks.policy``: pure decisions (what to batch, where to send it, what to admit), no I/O;
 - ``tasks.state``: state held in Redis;
 - ``tasks.store``: state held in the SQL database (SQLAlchemy);
-- ``tasks.broker``: Celery and kombu (queues, the batcher process, the gateway);
+- ``tasks.broker``: Celery and kombu (queues, the batcher process, the batch jobs' feeder);
+- ``tasks.gateway``: the API side of the pipeline (admit, publish, wait), on top of broker, state and store;
 - ``tasks.cli``: the admin CLI, on top of everything.
 
 Imports go one way only (down that list, with state and store side by side), nothing in ``tasks`` imports the
@@ -29,7 +30,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "webapp", "gpu_worker")
 VOCABULARY = ("tasks.config", "tasks.errors", "tasks.schema", "tasks.logs", "tasks.heap")
-LAYERS = ("policy", "state", "store", "broker", "cli")  # the sub-packages of tasks
+LAYERS = ("policy", "state", "store", "broker", "gateway", "cli")  # the sub-packages of tasks
 HEAVY = ("redis", "kombu", "celery", "sqlalchemy", "flask", "amqp", "torch", "transformers", "prometheus_client")
 
 
@@ -115,7 +116,8 @@ ALLOWED: dict[str, set[str]] = {
     "state": {"state", "policy", "vocabulary"},
     "store": {"store", "policy", "vocabulary"},
     "broker": {"broker", "state", "store", "policy", "vocabulary"},
-    "cli": {"cli", "broker", "state", "store", "policy", "vocabulary"},
+    "gateway": {"gateway", "broker", "state", "store", "policy", "vocabulary"},
+    "cli": {"cli", "gateway", "broker", "state", "store", "policy", "vocabulary"},
     "tasks": {"vocabulary"},  # tasks/__init__.py: importing any part of tasks runs it
     "webapp": {"webapp", "tasks", *LAYERS, "vocabulary"},
     "gpu_worker": {"gpu_worker", "tasks", *LAYERS, "vocabulary"},
@@ -145,7 +147,8 @@ def test_the_source_tree_is_what_the_rule_speaks_of() -> None:
 @pytest.mark.parametrize("part", sorted(ALLOWED))
 def test_imports_go_one_way(part: str) -> None:
     """policy imports only policy and the vocabulary; state no store, broker or cli; store no state, broker or
-    cli; broker no cli; nothing in tasks imports webapp or gpu_worker; webapp and gpu_worker not each other."""
+    cli; broker no gateway or cli; gateway no cli; nothing in tasks imports webapp or gpu_worker; webapp and
+    gpu_worker not each other."""
     found = violations(part)
     assert not found, f"{part} imports what it must not ({sorted(ALLOWED[part])} only):\n" + "\n".join(found)
 

@@ -14,11 +14,11 @@ from tasks.store.ledger import (
     BatchOutcome,
     ItemsOutcome,
     Ledger,
-    LedgerWriter,
     Quarantined,
     Released,
     refused_by_database,
 )
+from tasks.store.ledger_writer import LedgerWriter
 from tasks.store.models import (
     BatchRecord,
     BatchRequest,
@@ -28,7 +28,7 @@ from tasks.store.models import (
     make_engine,
     storable,
 )
-from tests.stack import BIN, ROOT
+from tests.harness.stack import BIN, ROOT
 
 TABLES = {"requests", "batches", "batch_requests", "quarantined_inputs", "tenants", "api_keys"}
 

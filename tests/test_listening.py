@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.helpers import expected, post
-from tests.stack import Stack
+from tests.harness.helpers import expected, post
+from tests.harness.stack import Stack
 
 
 @pytest.fixture(scope="module")

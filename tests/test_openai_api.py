@@ -22,8 +22,8 @@ from sqlalchemy import select  # noqa: E402
 from sqlalchemy.orm import Session  # noqa: E402
 
 from tasks.store.models import RequestRecord, make_engine  # noqa: E402
-from tests.models import build_tiny_llama  # noqa: E402
-from tests.stack import Stack, wait_for  # noqa: E402
+from tests.harness.models import build_tiny_llama  # noqa: E402
+from tests.harness.stack import Stack, wait_for  # noqa: E402
 
 LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 
@@ -133,7 +133,7 @@ def test_errors_come_back_in_openai_shape(client: "openai.OpenAI", models_stack:
     from sqlalchemy.orm import Session
 
     from tasks.store.models import RequestRecord, make_engine
-    from tests.stack import wait_for
+    from tests.harness.stack import wait_for
 
     with Session(make_engine(models_stack.database_url)) as s:  # the ledger says why it was not answered
         wait_for(lambda: s.scalars(select(RequestRecord).where(RequestRecord.status == "rejected")).first(),

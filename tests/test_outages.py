@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.helpers import assert_json_error, expected, post
-from tests.services import PrivateRedis
-from tests.stack import Stack, wait_for
+from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.services import PrivateRedis
+from tests.harness.stack import Stack, wait_for
 
 
 @pytest.fixture

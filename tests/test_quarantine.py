@@ -20,7 +20,8 @@ from tasks.state.admission import Admission, Ticket, Verdict
 from tasks.state.quarantine import Quarantine, QuarantineSync
 from tasks.store.ledger import Ledger, Quarantined
 from tasks.store.models import make_engine
-from tests.stack import REDIS_URL
+from tests.admitting import try_admit
+from tests.harness.stack import REDIS_URL
 
 
 class CountingRedis(redis.Redis):
@@ -84,7 +85,7 @@ def redis_restarts(quarantine: Quarantine) -> None:
 def refused_at_the_door(client: redis.Redis, ns: str, digest: str) -> bool:
     admission = Admission(client, f"{ns}:inflight", 100, f"{ns}:quarantine")
     item = uuid.uuid4().hex
-    verdict, *_ = admission.try_admit([item], [digest], ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30)
+    verdict, *_ = try_admit(admission, [item], [digest], ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30)
     if verdict is Verdict.OK:
         admission.release(Ticket("t", "sim"), [item])
     return verdict is Verdict.QUARANTINED

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.stack import ROOT, Stack
+from tests.harness.stack import ROOT, Stack
 
 README_URL = "http://127.0.0.1:8000/v1"
 

@@ -17,8 +17,9 @@ import redis
 
 from tasks.errors import RecordUnreadable
 from tasks.state.keys import Keys
-from tasks.state.requests import FormatError, Idempotency, Outcome, Record, Requests, Shape
-from tests.stack import REDIS_URL
+from tasks.state.records import FormatError, Idempotency, Outcome, Record, Shape
+from tasks.state.requests import Requests
+from tests.harness.stack import REDIS_URL
 
 NOW = 1_800_000_000.25
 

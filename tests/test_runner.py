@@ -17,7 +17,7 @@ from gpu_worker.runner import Device as Slots
 from tasks.schema import Batch, BatchItem
 from tasks.state.claims import Claims
 from tasks.state.results import ResultWriter
-from tests.stack import REDIS_URL
+from tests.harness.stack import REDIS_URL
 
 
 class Device:

@@ -24,12 +24,12 @@ from typing import TYPE_CHECKING
 import pytest
 import requests
 
-from tests.helpers import expected
-from tests.loadgen import LATE_SLACK_S, LoadReport, Outcome, SteadyLoad
-from tests.stack import Stack, wait_for
+from tests.harness.helpers import expected
+from tests.harness.loadgen import LATE_SLACK_S, LoadReport, Outcome, SteadyLoad
+from tests.harness.stack import Stack, wait_for
 
-if TYPE_CHECKING:  # the fixtures come from tests.services, a plugin of conftest.py
-    from tests.services import PrivateRabbit, PrivateRedis, Vhost
+if TYPE_CHECKING:  # the fixtures come from tests.harness.services, a plugin of conftest.py
+    from tests.harness.services import PrivateRabbit, PrivateRedis, Vhost
 
 pytestmark = pytest.mark.fault
 

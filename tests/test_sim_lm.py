@@ -350,7 +350,7 @@ WORKER = "gpu0@test"
 
 @pytest.fixture(scope="module")
 def lm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.stack import Stack
+    from tests.harness.stack import Stack
 
     s = Stack(Path(tmp_path_factory.mktemp("sim-lm")), heartbeat_interval_s=0.25, heartbeat_stale_factor=4)
     try:
@@ -429,7 +429,7 @@ def test_e2e_greedy_outputs_do_not_depend_on_the_batch(client: Any) -> None:
 
 
 def test_e2e_a_cancelled_stream_frees_its_slot(lm_stack: Any, client: Any) -> None:
-    from tests.stack import wait_for
+    from tests.harness.stack import wait_for
 
     # a prompt whose EOS is past 1000 tokens: left alone, it would stream for 1000 x 11.1 ms = 11 s
     prompt = next(p for p in (f"tell me a long story {i}" for i in range(100_000))

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.helpers import assert_json_error, expected, post
-from tests.stack import ROOT, Stack, wait_for
+from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.stack import ROOT, Stack, wait_for
 
 BATCH_MS = 250  # one sim device, 50 items per 250 ms batch: 200 items/s, a rate the 2-core front door can
 CAPACITY = 200  # outrun several times over (past that, a flood queues in the kernel's accept queue, FIFO)

@@ -18,16 +18,16 @@ from sqlalchemy import inspect, text
 from tasks.errors import InvalidInput, Unauthorized, Unavailable
 from tasks.policy.tenancy import Principal, TenantPolicy
 from tasks.schema import Priority
+from tasks.store.directory import TenantDirectory
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import (
     KEY_FORMAT,
     KeyStore,
-    TenantDirectory,
     hash_key,
     key_id_of,
     new_key,
 )
-from tests.stack import BIN, ROOT
+from tests.harness.stack import BIN, ROOT
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:1/none"
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.stack import Stack, wait_for
+from tests.harness.stack import Stack, wait_for
 
 
 @pytest.mark.fault

@@ -12,7 +12,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
 
 from tasks.errors import InvalidInput, Unavailable
-from tasks.state.admission import model_report
+from tasks.state.model_load import model_report
 from webapp import tenancy
 from webapp.body import read_json
 from webapp.errors import error_response

@@ -7,9 +7,9 @@ from typing import Any
 
 from flask import g, request
 
-from tasks.broker.gateway import Answer
 from tasks.errors import InvalidInput
-from tasks.state.requests import Idempotency, Shape, valid_key
+from tasks.gateway.calls import Answer
+from tasks.state.records import Idempotency, Shape, valid_key
 from webapp.openai_schema import chat_response, completion_response, embeddings_response
 
 HEADER = "Idempotency-Key"

@@ -11,14 +11,15 @@ from dataclasses import replace
 from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from tasks.broker.gateway import Answer
 from tasks.config import Settings
+from tasks.gateway.calls import Answer
 from tasks.logs import setup_logging
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
-from tasks.state.requests import Shape
+from tasks.state.records import Shape
 from webapp import admin_api, answers, batch_api, openai_api, requests_api, tenancy, worker
+from webapp.accept_door import AcceptDoor, HeldFull
 from webapp.body import read_json
-from webapp.door import AcceptDoor, DoorMiddleware, HeldFull
+from webapp.door import DoorMiddleware
 from webapp.errors import register_error_handlers
 from webapp.services import EXTENSION, Services, services
 from webapp.validation import parse_infer, request_id_from

@@ -5,7 +5,9 @@ directory) and runs each line the way its endpoint's route would (:class:`LineRu
 :func:`webapp.body.parse_json`, so a body holding a lone surrogate is that line's 400 as the interactive call's
 would be; the same parsing and the same response bodies), with these differences: the caller is the job's tenant,
 every line is offline priority, a line that gives no ``timeout_ms`` gets ``LLMB_JOBS_LINE_TIMEOUT_MS``, and every
-line carries an idempotency key derived from its job and ``custom_id``.
+line carries an idempotency key derived from its job and ``custom_id``. A line sent again waits for the sending its
+key names while that one was never marked published (:func:`tasks.policy.feeding.waits_for_earlier`): its
+process may have been killed after the publish and before the mark, and the gateway would run it again.
 
     llmb-jobs          # any number of them, on any hosts: each job is run by one at a time (a lease in SQL)
 """
@@ -21,15 +23,16 @@ from typing import Any
 
 import click
 
-from tasks.broker.gateway import Call
 from tasks.broker.jobs import Feeder, LineResult
 from tasks.config import Settings
-from tasks.errors import BatchingError, Forbidden, InvalidInput
+from tasks.errors import BatchingError, Forbidden, InvalidInput, RecordUnreadable
+from tasks.gateway.calls import Answer, Call
 from tasks.logs import setup_logging
 from tasks.policy.batchfile import idempotency_key
+from tasks.policy.feeding import waits_for_earlier
 from tasks.policy.tenancy import Principal
 from tasks.schema import Priority
-from tasks.state.requests import Idempotency, Shape
+from tasks.state.records import Idempotency, Shape, State
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
 from webapp.answers import render
@@ -42,6 +45,7 @@ from webapp.validation import bind, parse_infer
 
 log = logging.getLogger("llmb.jobs")
 
+EARLIER_CHECK_S = 0.2  # a line waiting for an earlier sending of it looks at its record this often
 ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
          "/v1/infer": "infer"}
 
@@ -73,13 +77,39 @@ class LineRunner:
             body = parse_json(line.body.encode())  # the interactive body checks (lone surrogates: a 400)
             call, shape = self._call(job, body, line.request_id, started)
             key = idempotency_key(job.id, line.custom_id) + (f".{generation}" if generation else "")
-            answer = self.services.gateway.submit(call, shape=shape, idempotency=Idempotency.of(key, job.endpoint,
-                                                                                               body))
+            idempotency = Idempotency.of(key, job.endpoint, body)
+            answer = self._earlier(job, line, idempotency) or self.services.gateway.submit(
+                call, shape=shape, idempotency=idempotency)
             return LineResult(200, render(shape, call.model, answer, started), ran=not answer.replayed)
         except BatchingError as exc:
             body = (error_body(exc.type, exc.message, line.request_id) if native
                     else openai_error_body(exc.status, exc.type, exc.message))
             return LineResult(exc.status, body, exc.type, exc.retry_after_s)
+
+    def _earlier(self, job: JobInfo, line: Line, idempotency: Idempotency) -> Answer | None:
+        """The answer of an earlier sending of this line under the same key that was never marked published,
+        waited for (:func:`tasks.policy.feeding.waits_for_earlier`); None when there is none to wait for (then
+        the gateway follows or runs it)."""
+        gateway = self.services.gateway
+        waited = False
+        while True:
+            try:
+                found = gateway.lookup(job.tenant, line.request_id)  # the latest call of the line's request id
+            except RecordUnreadable:
+                return None  # the claim of its key says what that means for the line
+            if found is None or found.record.key_hash != idempotency.key_hash:
+                return None  # never sent under this key (or its record expired): the gateway claims the key
+            if found.state is State.COMPLETED:
+                return found.answer
+            if not waits_for_earlier(found.record.published, found.record.outcome is not None,
+                                     found.record.deadline, gateway.clock()):
+                return None
+            if not waited:
+                waited = True
+                log.info("line %s of job %s: waiting for its sending that was never marked published (request %s, "
+                         "process %s) rather than running it again", line.line_no, job.id, found.record.request_id,
+                         found.record.instance)
+            time.sleep(EARLIER_CHECK_S)
 
     def _call(self, job: JobInfo, body: Any, request_id: str, started: float) -> tuple[Call, Shape]:
         settings = self.parse_settings

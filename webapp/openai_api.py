@@ -14,11 +14,11 @@ from typing import Any, TypeVar
 
 from flask import Blueprint, Response, g, jsonify, stream_with_context
 
-from tasks.broker.gateway import Answer, Call
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
+from tasks.gateway.calls import Answer, Call
 from tasks.schema import Priority
-from tasks.state.requests import Shape
+from tasks.state.records import Shape
 from webapp import answers, tenancy
 from webapp.body import read_json
 from webapp.errors import OPENAI, register_error_handlers

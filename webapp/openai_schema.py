@@ -11,9 +11,9 @@ import struct
 import time
 from typing import Any
 
-from tasks.broker.gateway import Call
 from tasks.config import Settings
 from tasks.errors import InvalidInput
+from tasks.gateway.calls import Call
 from tasks.schema import ItemResult
 from webapp.validation import check_model, timeout_limit_ms
 

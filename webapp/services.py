@@ -9,13 +9,16 @@ from dataclasses import dataclass
 from flask import Flask, current_app
 from prometheus_client import CollectorRegistry, multiprocess
 
-from tasks.broker.gate import Gate
-from tasks.broker.gateway import Gateway, redis_client
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
+from tasks.gateway.gate import Gate
+from tasks.gateway.gateway import Gateway
+from tasks.gateway.links import redis_client
+from tasks.policy.shedding import Door
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
-from tasks.store.tenants import KeyStore, TenantDirectory
-from webapp.door import Door
+from tasks.store.directory import TenantDirectory
+from tasks.store.tenants import KeyStore
+from webapp.door import door_from_settings
 
 EXTENSION = "llmb"  # the one key in app.extensions
 
@@ -45,7 +48,7 @@ class Services:
                    gateway=gateway,
                    keys=keys,
                    tenants=TenantDirectory(keys, ttl_s=settings.auth_cache_s),
-                   door=Door.from_settings(settings, gate),
+                   door=door_from_settings(settings, gate),
                    metrics=metrics_registry(settings, gateway, publisher))
 
 

@@ -12,8 +12,8 @@ from typing import ParamSpec, TypeVar
 
 from flask import g, request
 
-from tasks.broker.gateway import Call
 from tasks.errors import Forbidden, Unauthorized
+from tasks.gateway.calls import Call
 from tasks.policy.tenancy import Principal
 from tasks.store.tenants import HOW_TO_AUTH
 from webapp.services import services

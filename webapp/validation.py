@@ -1,4 +1,4 @@
-"""Request validation without I/O: a JSON body in, a :class:`tasks.broker.gateway.Call` or InvalidInput out."""
+"""Request validation without I/O: a JSON body in, a :class:`tasks.gateway.calls.Call` or InvalidInput out."""
 from __future__ import annotations
 
 import re
@@ -6,9 +6,9 @@ import uuid
 from dataclasses import replace
 from typing import Any
 
-from tasks.broker.gateway import Call
 from tasks.config import Settings
 from tasks.errors import Forbidden, InvalidInput
+from tasks.gateway.calls import Call
 from tasks.policy.tenancy import Principal, check_tenant_name
 from tasks.schema import Priority
 

@@ -39,7 +39,8 @@ from tasks.state.fleet import Fleet, FleetCache
 from tasks.state.metrics import Stats
 from tasks.state.quarantine import Quarantine, QuarantineSync
 from tasks.state.results import ResultWriter
-from tasks.store.ledger import ItemsOutcome, LedgerWriter
+from tasks.store.ledger import ItemsOutcome
+from tasks.store.ledger_writer import LedgerWriter
 
 log = logging.getLogger("llmb.batcher")
 

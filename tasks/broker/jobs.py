@@ -15,9 +15,11 @@ What runs one line is given to the feeder (``run_line``: the API's own parsing a
 :mod:`webapp.jobs`), so that this module knows nothing of HTTP.
 
 Crashes: a killed process's lines in flight are simply not finished; its leases lapse after ``LLMB_JOBS_LEASE_S``
-and the next process to claim the job sends the pending lines again. A finished line (its output row committed)
-is never sent again. SIGTERM stops sending, lets the lines in flight finish (for up to the lease time), commits them
-and gives the leases up at once.
+and the next process to claim the job sends the pending lines again, each with its idempotency key, so that one
+the killed process had sent gets that sending's answer instead of a second run (even one it published and had
+not yet marked published: :func:`tasks.policy.feeding.waits_for_earlier`). A finished line (its output row
+committed) is never sent again. SIGTERM stops sending, lets the lines in flight finish (for up to the lease
+time), commits them and gives the leases up at once.
 """
 from __future__ import annotations
 

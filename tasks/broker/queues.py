@@ -5,7 +5,7 @@
   previous holder of a batch died running it), from workers to batchers.
 
 
-A request message carries the calls an API process admitted in one round (:mod:`tasks.broker.rounds`): one
+A request message carries the calls an API process admitted in one round (:mod:`tasks.gateway.rounds`): one
 or more, each with all of its items. It is published with publisher confirms, so that a return from
 :meth:`RequestPublisher.publish` means RabbitMQ has every call in it, and expires in the broker at the last of
 their deadlines, so work nobody waits for is dropped even if no batcher is running (a batcher drops each

@@ -13,8 +13,8 @@ import redis
 
 from tasks.cli.main import Admin, cli, fail, pass_admin
 from tasks.schema import WorkerInfo
-from tasks.state.admission import model_report
 from tasks.state.metrics import Stats
+from tasks.state.model_load import model_report
 
 
 @cli.command()

@@ -13,9 +13,9 @@ import redis
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
-from tasks.broker.gateway import Gateway
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
+from tasks.gateway.gateway import Gateway
 from tasks.state.admission import Admission
 from tasks.state.clock import SharedClock
 from tasks.state.connect import redis_client

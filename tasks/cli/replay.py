@@ -16,13 +16,15 @@ from typing import Any
 import click
 from sqlalchemy import select
 
-from tasks.broker.gateway import Call, Gateway
 from tasks.cli.main import Admin, cli, fail, pass_admin
 from tasks.errors import BatchingError
+from tasks.gateway.calls import Call
+from tasks.gateway.gateway import Gateway
 from tasks.policy.tenancy import TenantPolicy
 from tasks.schema import Priority
+from tasks.store.directory import TenantDirectory
 from tasks.store.models import BatchRecord, BatchRequest, RequestRecord
-from tasks.store.tenants import KeyStore, TenantDirectory
+from tasks.store.tenants import KeyStore
 
 
 def replay_call(record: RequestRecord, policy: TenantPolicy, timeout_ms: int) -> Call:

@@ -23,9 +23,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from tasks.config import Settings
-from tasks.state.admission import Admission, model_report
+from tasks.state.admission import Admission
 from tasks.state.fleet import Fleet
 from tasks.state.keys import Keys
+from tasks.state.model_load import model_report
 from tasks.state.quarantine import Quarantine
 
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)

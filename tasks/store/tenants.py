@@ -1,39 +1,31 @@
-"""Tenants and their API keys: who is calling, and what share of the system they get.
+"""Tenants and their API keys in the database: who is calling, and what share of the system they get.
 
 A tenant carries a weight (its share of batch slots when tenants compete), an in-flight cap and a priority class;
 a tenant with no settings of its own, or a setting left empty, gets the defaults (``LLMB_TENANT_*``). API keys are
 issued and revoked with ``llmb-admin keys``; the database keeps only their SHA-256, so a leaked table leaks no key.
 
-:class:`KeyStore` is the database side (the CLI uses it directly). :class:`TenantDirectory` is what every API
-request goes through: a small TTL cache in front of the store, so the hot path costs one dict lookup, a revoked key
-stops working within the TTL, and a database outage keeps known keys working on their last answer. Bad keys cost
-no query each: the directory holds the ids and hashes of every active key (one query per TTL), refuses any other
-key from memory, and remembers refusals apart from answers, so no flood of them evicts a valid key.
+:class:`KeyStore` is the database side (the CLI uses it directly). Every API request goes through
+:class:`tasks.store.directory.TenantDirectory` instead: the store behind TTL caches (:mod:`tasks.store.ttl_cache`)
+and an index of every active key, so that the hot path costs no query.
 """
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import math
 import re
 import secrets
-import threading
-import time
-from collections import OrderedDict
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Generic, NoReturn, TypeVar
 
 from sqlalchemy import select, union, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError, SQLAlchemyError
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from tasks.config import Settings
-from tasks.errors import InvalidInput, Unauthorized, Unavailable
+from tasks.errors import InvalidInput
 from tasks.policy.tenancy import (
     MAX_IN_FLIGHT,
     MAX_WEIGHT,
@@ -139,7 +131,8 @@ class KeyStore:
                             _utc(r.revoked_at) if r.revoked_at else None) for r in session.scalars(query)]
 
     def active_keys(self) -> dict[str, str]:
-        """Every key not revoked, id -> hash, in one query: what :class:`TenantDirectory` refuses unknown keys by."""
+        """Every key not revoked, id -> hash, in one query: what :class:`tasks.store.directory.TenantDirectory`
+        refuses unknown keys by."""
         query = select(ApiKeyRecord.id, ApiKeyRecord.key_hash).where(ApiKeyRecord.revoked_at.is_(None))
         with Session(self.engine) as session:
             return {key_id: key_hash for key_id, key_hash in session.execute(query)}
@@ -239,244 +232,3 @@ def _shown(value: float) -> str:
         except ValueError:  # past Python's limit on converting integers to text
             return f"an integer of {value.bit_length()} bits"
     return repr(value)
-
-
-# -- the hot path -------------------------------------------------------------------------------------------
-T = TypeVar("T")
-
-
-@dataclass
-class _Entry(Generic[T]):
-    value: T
-    loaded_at: float
-    expires_at: float
-
-
-class _Cache(Generic[T]):
-    """TTL cache in front of one kind of database lookup, bounded, serving stale answers while the database is down.
-
-    One caller refreshes an expired entry while the others keep its old value for ``grace_s``: a hot key costs
-    one query per TTL however many requests carry it. A lookup that finds nothing (None) is not remembered, and
-    drops what was remembered: only answers are kept, so nothing but answers can evict answers.
-    """
-
-    def __init__(self, what: str, ttl_s: float, clock: Callable[[], float], max_entries: int) -> None:
-        self.what = what
-        self.ttl_s = ttl_s
-        self.grace_s = min(ttl_s, 1.0)
-        self.clock = clock
-        self.max_entries = max_entries
-        self._entries: OrderedDict[str, _Entry[T]] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._entries)
-
-    def __contains__(self, slot: str) -> bool:
-        return slot in self._entries
-
-    def fresh(self, slot: str) -> T | None:
-        """The remembered value while it is within its TTL (or another caller's refresh grace), else None."""
-        entry = self._entries.get(slot)
-        return entry.value if entry is not None and self.clock() < entry.expires_at else None
-
-    def get(self, slot: str, load: Callable[[], T | None]) -> T | None:
-        now = self.clock()
-        with self._lock:
-            entry = self._entries.get(slot)
-            if entry is not None:
-                if now < entry.expires_at:
-                    return entry.value
-                entry.expires_at = now + self.grace_s
-        try:
-            value = load()
-        except SQLAlchemyError as exc:
-            if entry is None:
-                raise Unavailable(f"cannot look up the {self.what}: the database is unreachable "
-                                  f"({type(exc).__name__})") from exc
-            log.warning("database unreachable (%s): using the %s looked up %.1f s ago", type(exc).__name__,
-                        self.what, now - entry.loaded_at)
-            return entry.value
-        if value is None:
-            with self._lock:
-                self._entries.pop(slot, None)
-        else:
-            self.remember(slot, value, now)
-        return value
-
-    def remember(self, slot: str, value: T, now: float) -> None:
-        with self._lock:
-            self._entries[slot] = _Entry(value, now, now + self.ttl_s)
-            self._entries.move_to_end(slot)
-            while len(self._entries) > self.max_entries:
-                self._entries.popitem(last=False)
-
-
-class _Misses:
-    """Hashes of keys refused lately, bounded apart from the answers, so a flood of bad keys evicts only misses."""
-
-    def __init__(self, ttl_s: float, clock: Callable[[], float], max_entries: int) -> None:
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self.max_entries = max_entries
-        self._expiry: OrderedDict[str, float] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._expiry)
-
-    def __contains__(self, slot: str) -> bool:
-        """Refused before, however long ago (the last answer, while the database cannot give a new one)."""
-        return slot in self._expiry
-
-    def fresh(self, slot: str) -> bool:
-        expiry = self._expiry.get(slot)
-        return expiry is not None and self.clock() < expiry
-
-    def add(self, slot: str) -> None:
-        with self._lock:
-            self._expiry[slot] = self.clock() + self.ttl_s
-            self._expiry.move_to_end(slot)
-            while len(self._expiry) > self.max_entries:
-                self._expiry.popitem(last=False)
-
-
-class _KeyIndex:
-    """Every active key's id and hash, loaded whole in one query, so a key the index does not hold is refused
-    without a query of its own: a flood of random keys (or of guesses at a public key id) costs the database at
-    most one query per ``retry_s``, however many keys it carries.
-
-    The index is reloaded once per ``ttl_s`` (by one caller; the others use it meanwhile). A key whose id it does
-    not hold may be new: its caller waits for the next reload, at most ``retry_s`` after the last, which every
-    such caller shares, so a key issued a moment ago works at once, at the price of up to ``retry_s`` of wait.
-    """
-
-    def __init__(self, load: Callable[[], dict[str, str]], ttl_s: float, clock: Callable[[], float],
-                 sleep: Callable[[float], None], retry_s: float = 1.0) -> None:
-        self.load = load
-        self.ttl_s = ttl_s
-        self.clock = clock
-        self.sleep = sleep
-        self.retry_s = retry_s
-        self.loads = 0
-        self.failed = False
-        self._hashes: dict[str, str] | None = None
-        self._loaded_from = -math.inf  # when the last good load began: it holds every key issued before that
-        self._tried_at = -math.inf  # when the last load (good or failed) began
-        self._lock = threading.Lock()
-
-    def check(self, key_id: str, key_hash: str) -> bool | None:
-        """True: an active key; False: not one (refuse); None: cannot tell (the index cannot be loaded)."""
-        arrived = self.clock()
-        if arrived - self._loaded_from >= self.ttl_s and arrived - self._tried_at >= self.retry_s:
-            self._reload(blocking=False)
-        answer = self._answer(key_id, key_hash)
-        if answer is not False or key_id in (self._hashes or {}) or self._loaded_from >= arrived:
-            return answer  # a known id with another hash is a forgery, never a key issued since the load
-        wait = self._tried_at + self.retry_s - self.clock()
-        if wait > 0:
-            self.sleep(wait)
-        self._reload(blocking=True, unless_tried_since=arrived)
-        return self._answer(key_id, key_hash)
-
-    def _answer(self, key_id: str, key_hash: str) -> bool | None:
-        if self._hashes is None:
-            return None
-        known = self._hashes.get(key_id)
-        if known is not None:
-            return hmac.compare_digest(known, key_hash)
-        return None if self.failed else False
-
-    def _reload(self, *, blocking: bool, unless_tried_since: float | None = None) -> None:
-        if not self._lock.acquire(blocking=blocking):
-            return  # another caller is loading it: use the index as it is
-        try:
-            if unless_tried_since is not None and self._tried_at >= unless_tried_since:
-                return  # loaded (or tried) since this caller arrived: that answer is the one to give
-            started = self._tried_at = self.clock()
-            self.loads += 1
-            try:
-                hashes = self.load()
-            except SQLAlchemyError as exc:
-                if not self.failed:
-                    log.warning("database unreachable (%s): API keys checked against the list of keys read "
-                                "%.1f s ago", type(exc).__name__, started - self._loaded_from)
-                self.failed = True
-                return
-            self._hashes, self._loaded_from, self.failed = hashes, started, False
-        finally:
-            self._lock.release()
-
-
-class TenantDirectory:
-    """Who is calling, for every API request: :class:`KeyStore` answers, cached for ``ttl_s``.
-
-    Valid keys are cached by their hash (never the key) for ``ttl_s``: the hot path is one dict lookup, and a
-    revoked key (or a changed tenant setting) takes effect within ``ttl_s``. Refusals are remembered apart
-    (bounded on their own), so no flood of bad keys can evict a valid one, and a key whose id and hash are not
-    in the per-process :class:`_KeyIndex` is refused without a query of its own. When the database fails, a key
-    seen before keeps its last answer; a key never seen gets 503, not 401.
-    """
-
-    def __init__(self, store: KeyStore, ttl_s: float, clock: Callable[[], float] = time.monotonic,
-                 max_entries: int = 10_000, max_misses: int = 10_000,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
-        self.store = store
-        self._principals: _Cache[Principal] = _Cache("API key", ttl_s, clock, max_entries)
-        self._misses = _Misses(ttl_s, clock, max_misses)
-        self._index = _KeyIndex(lambda: self.store.active_keys(), ttl_s, clock, sleep)
-        self._policies: _Cache[TenantPolicy] = _Cache("tenant's settings", ttl_s, clock, max_entries)
-
-    def principal(self, key: str | None) -> Principal:
-        """The caller behind ``key`` (the bearer token); Unauthorized when missing, unknown or revoked."""
-        if not key:
-            raise Unauthorized(f"this call needs an API key: {HOW_TO_AUTH}")
-        key_id = key_id_of(key)
-        if key_id is None:
-            raise self._refused()
-        slot = hash_key(key)
-        found = self._principals.fresh(slot)
-        if found is not None:
-            return found
-        if self._misses.fresh(slot):
-            raise self._refused()
-        active = self._index.check(key_id, slot)
-        if active is False or (active is None and slot in self._misses and slot not in self._principals):
-            return self._refuse(slot)
-        found = self._principals.get(slot, lambda: self.store.authenticate(key))
-        if found is None:  # revoked since the index was read
-            return self._refuse(slot)
-        return found
-
-    def _refuse(self, slot: str) -> NoReturn:
-        self._misses.add(slot)
-        raise self._refused()
-
-    @staticmethod
-    def _refused() -> Unauthorized:
-        return Unauthorized(f"unknown or revoked API key: {HOW_TO_AUTH}")
-
-    def cached_priority(self, key: str | None, tenant: str) -> Priority | None:
-        """The priority class of a caller as far as the caches know it now, without a query (None: not known):
-        that of the tenant of API key ``key`` when one is given (only a key looked up and valid is known), else
-        that of ``tenant`` by name."""
-        if key is not None:
-            found = self._principals.fresh(hash_key(key))
-            return None if found is None else found.tenant.priority
-        policy = self._policies.fresh(tenant)
-        return None if policy is None else policy.priority
-
-    def policy(self, tenant: str) -> TenantPolicy:
-        """A tenant's policy by name (when authentication is off and the caller names its tenant)."""
-        check_tenant_name(tenant)
-        try:
-            found = self._policies.get(tenant, lambda: self.store.policy(tenant))
-            assert found is not None  # a tenant without settings has the defaults
-            return found
-        except Unavailable:
-            # Without keys nothing needs the database to be safe: serve with the defaults (for one TTL, so
-            # an outage costs one failed query per tenant per TTL) rather than refuse every request.
-            log.warning("database unreachable: tenant %r gets the default weight, cap and priority", tenant)
-            fallback = replace(self.store.defaults, name=tenant)
-            self._policies.remember(tenant, fallback, self._policies.clock())
-            return fallback

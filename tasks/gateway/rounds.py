@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+ROUND_MAX_CALLS = 64  # the gateway's rounds: calls admitted in one script call and published in one message, at most
+
 E = TypeVar("E")
 R = TypeVar("R")
 Run = Callable[[Sequence[E], Callable[[], None]], Sequence["R | Exception"]]

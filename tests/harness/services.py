@@ -27,7 +27,7 @@ import pytest
 import redis
 from kombu import Connection
 
-from tests.stack import free_port, wait_for
+from tests.harness.stack import free_port, wait_for
 
 RABBITMQCTL = shutil.which("rabbitmqctl") or "/usr/sbin/rabbitmqctl"
 RABBIT_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the real script; /usr/sbin's wrapper su's and logs away

@@ -3,7 +3,7 @@
 A web backend in front of the service keeps one session for all its users, so one tenant's flood and another's
 steady calls share a pool of kept-alive connections, and a server that closes a connection on which a request
 has started (or drops one under load) shows up as a connection error here, where a client opening a
-connection per call (``tests/loadgen.py``, ``bench/load.py``) would not see it. Retries are off: every error
+connection per call (``tests/harness/loadgen.py``, ``bench/load.py``) would not see it. Retries are off: every error
 counts.
 
     calls = asyncio.run(burst(url, 3000, tenant="a", timeout_ms=5000))
@@ -22,8 +22,9 @@ from typing import Any
 
 import aiohttp
 
-from tests.helpers import expected
-from tests.stack import Stack
+from bench.stats import percentile
+from tests.harness.helpers import expected
+from tests.harness.stack import Stack
 
 CLIENT_SLACK_S = 5.0  # the client gives up this long after the call's deadline (a hang is counted, not waited on)
 
@@ -140,12 +141,9 @@ async def steady(http: aiohttp.ClientSession, url: str, tenant: str, rate_per_s:
     return list(await asyncio.gather(*tasks))
 
 
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (nearest rank) of ``values``; 0 when there are none."""
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, int(round(q / 100 * len(ordered))) - 1))]
+def quantile_s(values: list[float], q: float) -> float:
+    """The q-th percentile of ``values`` (bench/stats.py's, the one of every report), to the ms; 0 when none."""
+    return round(percentile(values, q) or 0.0, 3)
 
 
 def connection_errors(calls: list[Call]) -> list[Call]:
@@ -166,8 +164,7 @@ def summary(calls: list[Call]) -> dict[str, Any]:
         "messages": sorted({c.message for c in calls if c.message})[:4],
         "not_json": sum(1 for c in calls if c.status not in (0, 200) and not c.json_error),
         "wrong_output": sum(1 for c in calls if c.status == 200 and not c.own_output),
-        "p50_s": round(percentile(ok, 50), 3), "p99_s": round(percentile(ok, 99), 3),
-        "p99_429_s": round(percentile(refused, 99), 3),
-        "p99_429_after_send_s": round(percentile([c.wait_s for c in calls if c.status == 429], 99), 3),
-        "p99_after_send_s": round(percentile([c.wait_s for c in calls if c.status == 200], 99), 3),
+        "p50_s": quantile_s(ok, 50), "p99_s": quantile_s(ok, 99), "p99_429_s": quantile_s(refused, 99),
+        "p99_429_after_send_s": quantile_s([c.wait_s for c in calls if c.status == 429], 99),
+        "p99_after_send_s": quantile_s([c.wait_s for c in calls if c.status == 200], 99),
     }

@@ -24,8 +24,9 @@ from typing import Any
 
 import requests
 
-from tests.helpers import expected
-from tests.stack import wait_for
+from bench.stats import percentile
+from tests.harness.helpers import expected
+from tests.harness.stack import wait_for
 
 LATE_SLACK_S = 1.0  # an answer more than this after the request's deadline is late
 CLIENT_SLACK_S = 5.0  # the client gives up this long after the deadline (status 0, late)
@@ -71,10 +72,8 @@ class LoadReport:
 
     def p(self, q: float) -> float:
         """The q-th percentile (0-100) of the latency of every answer (any status), in ms; nan when none."""
-        if not self.latencies_ms:
-            return float("nan")
-        ordered = sorted(self.latencies_ms)
-        return ordered[min(len(ordered) - 1, int(q / 100 * len(ordered)))]
+        value = percentile(self.latencies_ms, q)
+        return float("nan") if value is None else value
 
     def summary(self) -> str:
         statuses = " ".join(f"{s}:{n}" for s, n in sorted(self.statuses.items()))

@@ -20,7 +20,7 @@ from kombu import Connection
 
 from tasks.state.connect import redis_client
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 BROKER_URL = os.environ.get("LLMB_BROKER_URL", "amqp://guest:guest@127.0.0.1:5672//")
 REDIS_URL = os.environ.get("LLMB_REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -252,7 +252,7 @@ class Stack:
     def wait_serving(self, workers: int = 2, web_workers: int = 2, timeout_s: float = 30) -> None:
         """Wait until the stack is whole and serves: a fresh heartbeat (idle or busy) from every worker, a worker
         process under every supervisor, all of gunicorn's workers, and a request answered 200 with its output."""
-        from tests.helpers import expected
+        from tests.harness.helpers import expected
 
         def fresh() -> bool:
             beats, now = self.fleet(), time.time()

@@ -1,0 +1,361 @@
+"""The API side of the pipeline, free of HTTP: admit a call, publish it, wait for its outputs.
+
+The web app is a thin shell over :meth:`Gateway.submit`; anything else that submits work (the admin CLI's
+replay, a benchmark) can use the same path. This module is the first half of a call: its checks, its turn at
+the gate (:mod:`tasks.gateway.gate`), its admission and publishing in a round with the other calls this process
+has ready (:mod:`tasks.gateway.rounds`). The wait for its results is :mod:`tasks.gateway.waiting`; idempotent
+retries and lookups by id :mod:`tasks.gateway.idempotency`; what each refusal says :mod:`tasks.policy.refusal`.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import replace
+from functools import partial
+from typing import TypeVar
+
+import redis
+
+from tasks.broker.queues import RequestPublisher
+from tasks.config import Settings
+from tasks.errors import BatchingError, InvalidInput, QueueFull, Unavailable
+from tasks.gateway import readiness
+from tasks.gateway.calls import Answer, Call, Events, Lookup
+from tasks.gateway.gate import NO_GATE, Gate, Turn
+from tasks.gateway.idempotency import Replays, replayed
+from tasks.gateway.lease import Lease
+from tasks.gateway.links import PUBLISH_ERRORS, REDIS_TIMEOUT_S, broker_refusal, redis_call, redis_refusal
+from tasks.gateway.prepared import Joining, Prepared, request_of
+from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
+from tasks.gateway.waiting import Entered, Waiter, Waiting
+from tasks.policy.capacity import deadline_cap
+from tasks.policy.refusal import HeldFull, admission_refusal, deadline_refusal, shortest_answer_s, token_demand
+from tasks.schema import Priority, WorkerInfo, input_hash
+from tasks.state.admission import Admission, AdmitCall, Decision, Ticket, Verdict
+from tasks.state.clock import SharedClock
+from tasks.state.fleet import Fleet, FleetCache
+from tasks.state.keys import Keys
+from tasks.state.metrics import door_round_calls
+from tasks.state.records import Idempotency, Shape
+from tasks.state.requests import Requests
+from tasks.state.results import ResultListener
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# An admission reaching Redis later than this after it was sent is refused by the script itself: its caller
+# may have had a timeout by then (503), and admitting it would hold capacity nobody releases.
+ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
+
+
+def _decided(outcomes: Sequence[Waiter | BatchingError | None]) -> list[Waiter | BatchingError]:
+    """A round's outcomes once every call of it has one."""
+    decided = [o for o in outcomes if o is not None]
+    assert len(decided) == len(outcomes), "one outcome per call"
+    return decided
+
+
+class Gateway:
+    def __init__(self, settings: Settings, client: redis.Redis, publisher: RequestPublisher, instance_id: str,
+                 gate: Gate | None = None) -> None:
+        self.settings = settings
+        self.gate = gate  # an API process's turnstile in front of admission (none: every call goes at once)
+        self.full = HeldFull()  # the fresh FULL verdicts of this process's admissions
+        self._full = self.full.verdicts  # model, class -> (until, refusal)
+        self.client = client
+        self.publisher = publisher
+        self.keys = Keys.from_settings(settings)
+        self.reply_to = self.keys.replies(instance_id)
+        self.instance_id = instance_id
+        self.admission = Admission.from_settings(settings, client, instance_id)
+        self.requests = Requests.from_settings(settings, client)
+        self.lease = Lease(self.admission, settings.api_lease_s / 3)
+        # Times other hosts compare with (deadlines sent to batchers and workers, heartbeats read) are on the
+        # fleet's shared clock; this process's own waits run on its monotonic clock.
+        self.clock = SharedClock.from_settings(settings, client)
+        self.fleet = Fleet.from_settings(settings, client)
+        # A stopping worker still serves its model: a rolling restart must not flap it to 503.
+        self.workers = FleetCache(self.fleet, settings.heartbeat_interval_s / 2, draining=True, wallclock=self.clock)
+        self.result_key = self.keys.result
+        self.listener = ResultListener(client, self.reply_to, self.result_key, settings.result_recheck_ms / 1000)
+        self.replays = Replays(self.requests, self.listener)
+        self.waiting = Waiting(client, self.keys, self.admission, self.requests, self.listener, self.replays,
+                               self.clock)
+        # The calls this process has ready at once go to Redis and RabbitMQ together.
+        self.rounds: Rounds[Joining, Waiter] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
+            "the call's admission round was interrupted; retry"))
+
+    def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
+        """The live fleet; cached for half a heartbeat interval (``fresh``: read it now)."""
+        try:
+            return self.workers.get(fresh)
+        except redis.RedisError as exc:
+            raise redis_refusal(exc) from None
+
+    def live_models(self, fresh: bool = False) -> set[str]:
+        return {w.model for w in self.live_workers(fresh)}
+
+    def cap_for(self, model: str, timeout_s: float) -> int:
+        """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s``."""
+        workers = [w for w in self.live_workers() if w.model == model]
+        return deadline_cap(workers, timeout_s, self.settings.admission_cap)
+
+    def _workers_of(self, model: str) -> list[WorkerInfo] | None:
+        """The live workers of ``model`` (None when the fleet cannot be read: that refusal comes later)."""
+        try:
+            return [w for w in self.live_workers() if w.model == model]
+        except BatchingError:
+            return None
+
+    def submit(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Answer:
+        """Run one call through the pipeline. Raises a :class:`tasks.errors.BatchingError` on any failure.
+
+        Every admitted call is recorded (its items, ``shape``, outcome) for ``GET /v1/requests/<id>``. With
+        ``idempotency``, a call whose key already names an earlier call of the tenant is not run: it waits for
+        that call (within its own deadline) and gets its answer, or IdempotencyConflict if the body differs."""
+        entered = self._enter(call, shape or Shape(), idempotency, follow=True)
+        if isinstance(entered, Answer):
+            return entered
+        return self.waiting.answer(call, entered)
+
+    def stream(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Events:
+        """Admit and publish a one-input call now (so refusals raise here), then return its events:
+        ("delta", text) as the worker streams, then ("done", ItemResult) or ("error", BatchingError).
+        Closing the iterator early (the client went away) cancels the generation in the worker, and forgets the
+        call (a retry with its idempotency key runs it again).
+
+        An idempotent retry of a finished stream gets the first call's result as one ("done", ItemResult); of a
+        stream still running, IdempotencyInProgress (409): its text went to the first caller."""
+        if len(call.inputs) != 1:
+            raise InvalidInput("streaming takes exactly one prompt")
+        call = replace(call, params={**call.params, "stream": True})
+        entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
+        if isinstance(entered, Answer):
+            return Events(entered.request_id, replayed(entered.results[0]), replayed=True)
+        return Events(call.request_id, self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered))
+
+    def lookup(self, tenant: str, request_id: str) -> Lookup | None:
+        """The tenant's call of this id (None: unknown to this tenant, or expired)."""
+        return self.replays.lookup(tenant, request_id)
+
+    def redis_call(self, command: Callable[[], T]) -> T:
+        """A Redis command of the request path: 429 when this process's pool stays taken, 503 when Redis is away.
+        Routes that read Redis through the gateway's objects (the admin API) go through it too: one translation."""
+        return redis_call(command)
+
+    def cancel(self, item_ids: list[str]) -> None:
+        """Tell the workers these callers are gone, so generation for them stops (best effort)."""
+        self.waiting.cancel(item_ids)
+
+    def ping(self) -> dict[str, object]:
+        """Readiness: broker and Redis reachable, and the live workers. Raises Unavailable otherwise."""
+        return readiness.ping(self.client, self.fleet, self.clock, self.publisher)
+
+    # -- admission -------------------------------------------------------------------------------------
+    def _enter(self, call: Call, shape: Shape, idempotency: Idempotency | None, *, follow: bool) -> Entered | Answer:
+        """Admit and publish a call (recording it); or, for an idempotent retry, the first call's answer.
+
+        The deadline counts from when the call reached this host: under a burst, time spent waiting for the
+        CPU before the handler ran is the caller's time too. A call whose remaining time could not cover one
+        batch is refused now (it would only be answered late): 504 if its timeout never could, 429 if the
+        wait at the door took it.
+
+        With ``idempotency`` the key is claimed (one Lua call) just before admission; when it names an earlier
+        call, that call is followed instead (:meth:`Replays.follow`). Any refusal before the request is published
+        releases the key."""
+        while True:
+            if idempotency is None:  # a retry may be answered from its first call: it needs no room
+                self._still_full(call)
+            with self._turn(call.tenant) as turn:
+                prepared = self._prepare(call, shape)
+                claim = None
+                if idempotency is not None:
+                    self.lease.keep()  # the lease tells whoever follows this call that its process is alive
+                    # its record lives under its key from now on (every later write finds it there), not its id
+                    prepared = replace(prepared, record=replace(prepared.record, key_hash=idempotency.key_hash))
+                    claim = redis_call(partial(self.requests.claim, replace(prepared.record, published=False),
+                                               idempotency, self.clock()))
+                if idempotency is None or claim is None or claim.claimed:
+                    return self._admitted(call, prepared, idempotency, turn)
+            answer = self.replays.follow(call, idempotency, claim, prepared.deadline, follow)  # its turn given up
+            if answer is not None:
+                return answer
+
+    def _still_full(self, call: Call) -> None:
+        """Raise the QueueFull of the model's last FULL verdict while it is fresh (FULL_HOLD_S): the calls of a
+        flood are then refused without waiting for a turn or asking Redis, in the time a batch drains a few items."""
+        held = self.held_full(call.model, call.priority)
+        if held is not None and not self._light(call.tenant):
+            raise held
+
+    def held_full(self, model: str, priority: Priority) -> QueueFull | None:
+        """The refusal a call of ``model`` in class ``priority`` gets now without asking Redis (None: ask): the
+        last FULL verdict for them, while it is fresh. Idempotent retries are not held (see :meth:`_enter`)."""
+        return self.full.held(model, priority, time.monotonic())
+
+    def holds_full(self) -> bool:
+        """Whether any FULL verdict is fresh: the door looks for one at accept only then."""
+        return self.full.any_fresh(time.monotonic())
+
+    def _light(self, tenant: str) -> bool:
+        """Whether ``tenant`` sends well under an even share of this process's recent calls (its gate's count)."""
+        return self.gate is not None and self.gate.callers.light(tenant)
+
+    def _model_cap(self, call: Call, remaining_s: float) -> int:
+        """The model's cap for a call: the deadline cap (what the fleet can answer within ``remaining_s``), or for
+        a light tenant the configured cap. The batchers serve tenants fairly, so a light tenant's items run
+        ahead of a flood's queue, and refusing them because the flood filled the model was what the steady
+        tenant beside a 5,000-call flood saw (10-54 of its 200 calls 429 queue_full); a light tenant is by
+        definition a small share of the calls, so letting it past adds little."""
+        if self._light(call.tenant):
+            return self.settings.admission_cap
+        return self.cap_for(call.model, remaining_s)
+
+    def _turn(self, tenant: str) -> AbstractContextManager[Turn]:
+        """A call's turn through admission (at once when the process has no gate, or for a light tenant)."""
+        return nullcontext(NO_GATE) if self.gate is None else self.gate.passage(tenant)
+
+    def _admitted(self, call: Call, prepared: Prepared, idempotency: Idempotency | None, turn: Turn) -> Entered:
+        try:
+            waiter = self._admit(call, prepared, turn, recorded=idempotency is not None)
+        except BaseException:
+            if idempotency is not None:
+                self.replays.forget(prepared.record, idempotency)
+            raise
+        return Entered([i.id for i in prepared.request.items], prepared.deadline, prepared.request.accepted_at,
+                       prepared.record, idempotency, waiter)
+
+    def _prepare(self, call: Call, shape: Shape) -> Prepared:
+        """The checks before admission, and the request (and its record) a call would be admitted as."""
+        now = time.monotonic()
+        deadline = (call.received_at or now) + call.timeout_ms / 1000
+        remaining_s = deadline - now
+        refused = deadline_refusal(call.model, call.timeout_ms, remaining_s, now - (call.received_at or now),
+                                   shortest_answer_s(self._workers_of(call.model) or []), self.settings.retry_after_s)
+        if refused is not None:
+            raise refused
+        request, record = request_of(call, shape, self.clock(), remaining_s, self.reply_to, self.instance_id)
+        item_tokens, token_cap = token_demand(call.inputs, call.params, call.model,
+                                              lambda: self._workers_of(call.model), self.settings.kv_admission_factor)
+        return Prepared(request, record, remaining_s, deadline, item_tokens, token_cap)
+
+    def _admit(self, call: Call, prepared: Prepared, turn: Turn, *, recorded: bool) -> Waiter:
+        """Admit a prepared call, record it (unless its idempotency claim did) and publish it, in a round with the
+        other calls this process has ready (:mod:`tasks.gateway.rounds`); its ``turn`` at the gate is given up
+        once only the broker's confirm is left to wait for. Returns the result listener's waiter."""
+        # the record must exist before any result does: written with the admission (unless its claim wrote it)
+        record = None if recorded else self.requests.admitted(prepared.record, self.clock())
+        request = prepared.request
+        admit = AdmitCall(tuple(i.id for i in request.items), tuple(input_hash(call.model, t) for t in call.inputs),
+                          Ticket(call.tenant, call.model, call.priority), request.accepted_at, prepared.remaining_s,
+                          self._model_cap(call, prepared.remaining_s), call.tenant_cap,
+                          tuple(prepared.item_tokens), prepared.token_cap, record)
+        joining = Joining(call, prepared, admit, turn)
+        if recorded:  # an idempotent call goes alone: a process killed between a round's confirm and its mark
+            outcome = self._admit_round([joining], lambda: None)[0]  # would leave the whole round to run twice
+            if isinstance(outcome, Exception):
+                raise outcome
+            return outcome
+        return self.rounds.join(joining)
+
+    def _admit_round(self, calls: Sequence[Joining], hand_on: Callable[[], None]) -> list[Waiter | BatchingError]:
+        """One round: admit the calls in one script call, publish those admitted in one message. A listener's
+        waiter per call admitted and published, the error it is refused with for the others. The next round
+        may start (``hand_on``) while this one waits for the broker's confirm: under a broker alarm that wait is
+        the whole publish timeout, and each round must get its 503 within it, not after the rounds before it."""
+        door_round_calls().observe(len(calls))
+        try:
+            self.lease.keep()
+            decisions = self.admission.try_admit_many([c.admit for c in calls], self.clock() + ADMIT_VALID_S)
+        except redis.RedisError as exc:
+            return [redis_refusal(exc) for _ in calls]
+        outcomes: list[Waiter | BatchingError | None] = [self._refusal(c, d) for c, d in zip(calls, decisions)]
+        admitted = [i for i, outcome in enumerate(outcomes) if outcome is None]
+        waiters: dict[int, Waiter] = {}  # the result listener's, once registered
+        try:  # after admission, so that a quarantined input is refused as such even while no worker is up
+            for i in admitted:
+                error = self._unserved(calls[i].call.model)
+                if error is not None:
+                    outcomes[i] = error
+                    self._unadmit(calls[i])
+            published = [i for i in admitted if outcomes[i] is None]
+            if not published:
+                return _decided(outcomes)
+            # listening before publishing: a result or streamed text can come back before publish() returns
+            for i in published:
+                waiters[i] = self.listener.expect(list(calls[i].admit.item_ids))
+                calls[i].turn.leave()
+            hand_on()
+            error = self._publish([calls[i].prepared for i in published])
+            if error is None:
+                self._mark_published([calls[i] for i in published])
+            for i in published:
+                if error is None:
+                    outcomes[i] = waiters.pop(i)
+                else:
+                    outcomes[i] = error
+                    self._unadmit(calls[i], waiters.pop(i))
+            return _decided(outcomes)
+        except BaseException:
+            for i in admitted:
+                if outcomes[i] is None:
+                    self._unadmit(calls[i], waiters.get(i))
+            raise
+
+    def _refusal(self, joining: Joining, decision: Decision) -> BatchingError | None:
+        """The error a call is refused with for this admission verdict (None: admitted); a FULL one is held for
+        the model and class (:meth:`held_full`)."""
+        call, (verdict, bad_hash, ahead) = joining.call, decision
+        error = admission_refusal(verdict, bad_hash, ahead, model=call.model, tenant=call.tenant,
+                                  tenant_cap=call.tenant_cap, hashes=joining.admit.hashes, workers=self.workers.last,
+                                  admission_cap=self.settings.admission_cap, retry_floor_s=self.settings.retry_after_s)
+        if verdict is Verdict.FULL and isinstance(error, QueueFull):
+            self.full.hold(call.model, call.priority, error, time.monotonic())
+        return error
+
+    def _unserved(self, model: str) -> BatchingError | None:
+        """Unavailable when no live worker serves ``model`` (the cached view is checked again fresh first: it
+        may predate a worker)."""
+        try:
+            models = self.live_models()
+            if model not in models:
+                models = self.live_models(fresh=True)
+        except BatchingError as exc:
+            return exc
+        if model in models:
+            return None
+        served = ", ".join(sorted(models)) or "none"
+        return Unavailable(f"no live GPU worker serves model {model!r} (models served now: {served})")
+
+    def _publish(self, calls: Sequence[Prepared]) -> BatchingError | None:
+        """Publish the requests of a round as one message; the error its callers get when that fails."""
+        budget = min(self.settings.publish_timeout_s, max(0.0, max(c.deadline for c in calls) - time.monotonic()))
+        try:
+            self.publisher.publish([c.request for c in calls], budget)
+        except PUBLISH_ERRORS as exc:
+            return broker_refusal(exc)
+        return None
+
+    def _mark_published(self, calls: Sequence[Joining]) -> None:
+        """Mark the records of the idempotent calls (those whose claim wrote the record) published, in the round
+        that published them: a process killed between the confirm and the mark can run such a call twice, and
+        that window is one round trip long, not every caller's wake-up."""
+        records = [c.prepared.record for c in calls if c.admit.record is None]
+        if not records:
+            return
+        try:
+            self.requests.published(records)
+        except redis.RedisError as exc:  # a retry after this process died would wait for the deadline
+            log.warning("could not mark %d requests published: %s", len(records), exc)
+
+    def _unadmit(self, joining: Joining, waiter: Waiter | None = None) -> None:
+        """Undo the admission of a call that will not be published: its items, the record the admission wrote,
+        its listener's waiter."""
+        ids = list(joining.admit.item_ids)
+        self.waiting.release(joining.admit.ticket, ids)
+        if joining.admit.record is not None:
+            self.replays.forget(joining.prepared.record, None)
+        if waiter is not None:
+            self.listener.forget(ids, waiter)

@@ -1,0 +1,172 @@
+"""The second half of a call, once it is admitted and published: its results read as they come (each read also
+releasing the admission of the items it found, in one round trip shared with the other callers reading at that
+moment), its stream relayed, its outcome recorded, and the generation cancelled when its caller is gone."""
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import redis
+
+from tasks.errors import BatchingError, DeadlineExceeded
+from tasks.gateway.calls import Answer, Call
+from tasks.gateway.idempotency import Replays
+from tasks.gateway.links import redis_refusal
+from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
+from tasks.policy.refusal import error_of
+from tasks.schema import ItemResult
+from tasks.state.admission import Admission, CollectCall, Ticket
+from tasks.state.keys import Keys
+from tasks.state.records import Idempotency, Outcome, Record
+from tasks.state.requests import Requests
+from tasks.state.results import ResultListener
+from tasks.state.results import _Waiter as Waiter  # the listener's handle on a call's items (no public name yet)
+
+log = logging.getLogger(__name__)
+Read = Callable[[Sequence[str]], list[bytes | None]]
+
+
+@dataclass(frozen=True)
+class Entered:
+    """A call admitted and published by this process."""
+
+    ids: list[str]
+    deadline: float  # monotonic
+    accepted_at: float
+    record: Record
+    idempotency: Idempotency | None
+    waiter: Waiter  # the result listener's, registered before the request was published
+
+
+class Waiting:
+    """Waits for admitted calls' results and records how each ended."""
+
+    def __init__(self, client: redis.Redis, keys: Keys, admission: Admission, requests: Requests,
+                 listener: ResultListener, replays: Replays, clock: Callable[[], float]) -> None:
+        self.client = client
+        self.keys = keys
+        self.admission = admission
+        self.requests = requests
+        self.listener = listener
+        self.replays = replays
+        self.clock = clock
+        self.result_key = keys.result
+        # The result reads this process has ready at once go to Redis together.
+        self.reads: Rounds[CollectCall, tuple[list[bytes | None], bool]] = Rounds(
+            lambda calls, hand_on: self.admission.collect_many(calls), ROUND_MAX_CALLS,
+            lambda: redis.ConnectionError("the round reading the results was interrupted"))
+
+    def _reader(self, ticket: Ticket) -> Read:
+        """Reads a call's results and releases the admission of those that have one, in one round trip (shared
+        with the other callers reading at the same moment: :attr:`reads`)."""
+        return lambda ids: self.reads.join(CollectCall(ticket, tuple(ids), tuple(self.result_key(i) for i in ids)))[0]
+
+    def _finishing_reader(self, ticket: Ticket, entered: Entered, started: float, finished: list[float]) -> Read:
+        """:meth:`_reader`, which also records a successful outcome when one read finds every result (a call
+        without an idempotency key: its outcome is then written in the same round trip); ``finished`` gets the
+        call's total_ms when it did."""
+        every = len(entered.ids)
+
+        def read(ids: Sequence[str]) -> list[bytes | None]:
+            keys = tuple(self.result_key(i) for i in ids)
+            if len(ids) < every:
+                return self.reads.join(CollectCall(ticket, tuple(ids), keys))[0]
+            total_ms = round((time.monotonic() - started) * 1000, 1)
+            record = self.requests.finished(entered.record, Outcome(200, total_ms=total_ms))
+            values, done = self.reads.join(CollectCall(ticket, tuple(ids), keys, record))
+            if done:
+                finished.append(total_ms)
+            return values
+
+        return read
+
+    def answer(self, call: Call, entered: Entered) -> Answer:
+        """Wait for every result of an admitted call (within its deadline) and record its outcome; raises the
+        call's error (DeadlineExceeded, an item's own, Unavailable without Redis)."""
+        ids, deadline, idempotency = entered.ids, entered.deadline, entered.idempotency
+        ticket = Ticket(call.tenant, call.model, call.priority)
+        started = call.received_at or entered.deadline - call.timeout_ms / 1000
+        found: dict[str, ItemResult] = {}
+        finished: list[float] = []  # total_ms, once the read that found every result also recorded the outcome
+        try:
+            found = self.listener.wait(ids, deadline, self._finishing_reader(ticket, entered, started, finished)
+                                       if idempotency is None else self._reader(ticket), waiter=entered.waiter)
+        except redis.RedisError as exc:
+            raise redis_refusal(exc, " while waiting for the result", busy_is_overload=False) from None
+        finally:  # items with a result were released as they were read: release the rest
+            self.release(ticket, [i for i in ids if i not in found])
+        if finished and len(found) == len(ids):
+            return Answer(results=tuple(found[i] for i in ids), accepted_at=entered.accepted_at,
+                          request_id=call.request_id, total_ms=finished[0])
+        total_ms = round((time.monotonic() - started) * 1000, 1)
+        if len(found) < len(ids):
+            error: BatchingError = DeadlineExceeded(f"no output within {call.timeout_ms} ms (deadline passed)")
+            self._settle(entered, error)  # before the cancel: a retry must never take a cancelled output for it
+            self.cancel([i for i in ids if i not in found])
+            raise error
+        results = tuple(found[i] for i in ids)
+        failed = next((r for r in results if r.error), None)
+        if failed is not None:
+            error = error_of(failed)
+            self._settle(entered, error, results=results)
+            raise error
+        self._settle(entered, None, total_ms, results)
+        return Answer(results=results, accepted_at=entered.accepted_at, request_id=call.request_id, total_ms=total_ms)
+
+    def events(self, ticket: Ticket, entered: Entered) -> Generator[tuple[str, Any], None, None]:
+        """A streamed call's events: ("delta", text), then ("done", ItemResult) or ("error", BatchingError).
+        Closed early (the client went away), the call is forgotten and its generation cancelled."""
+        item_id, finished, settled = entered.ids[0], False, False
+        try:
+            for kind, value in self.listener.stream(item_id, entered.deadline, self._reader(ticket),
+                                                    waiter=entered.waiter):
+                if kind == "delta":
+                    yield kind, value
+                elif kind == "done":
+                    finished = True
+                    error = error_of(value) if value.error else None
+                    settled = self._settle(entered, error, results=(value,))
+                    yield ("error", error) if error else ("done", value)
+                else:
+                    error = DeadlineExceeded("no complete output before the deadline")
+                    settled = self._settle(entered, error)
+                    yield "error", error
+        except redis.RedisError as exc:
+            settled = True  # nothing can be recorded now; the record keeps what it had
+            yield "error", redis_refusal(exc, " while streaming", busy_is_overload=False)
+        finally:
+            if not settled:  # the client went away mid-stream: forget the call before its generation stops
+                self.replays.forget(entered.record, entered.idempotency)
+            if not finished:
+                self.cancel([item_id])
+                self.release(ticket, [item_id])
+
+    def _settle(self, entered: Entered, error: BatchingError | None, total_ms: float = 0.0,
+                results: Sequence[ItemResult] = ()) -> bool:
+        """Record how an admitted call ended (best effort: without Redis its results are the record); with its
+        ``results``, the record expires with the first of them."""
+        outcome = Outcome(200, total_ms=total_ms) if error is None else Outcome(error.status, error.type,
+                                                                                error.message)
+        written_at = min((r.started_at + r.run_ms / 1000 for r in results), default=None)
+        try:
+            self.requests.finish(entered.record, outcome, entered.idempotency, self.clock(), written_at)
+        except redis.RedisError as exc:
+            log.warning("could not record the outcome of request %s: %s", entered.record.request_id, exc)
+        return True
+
+    def cancel(self, item_ids: list[str]) -> None:
+        """Tell the workers these callers are gone, so generation for them stops (best effort)."""
+        try:
+            self.client.publish(self.keys.cancel, ",".join(item_ids))
+        except redis.RedisError:
+            pass
+
+    def release(self, ticket: Ticket, item_ids: list[str]) -> None:
+        """Give back the admission of these items (best effort)."""
+        try:
+            self.admission.release(ticket, item_ids)
+        except redis.RedisError:
+            pass  # the member expires at its deadline anyway
