@@ -13,6 +13,7 @@ The gateway (:mod:`tasks.gateway`) feeds them the live workers and the call, and
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 from tasks.errors import (
@@ -31,15 +32,16 @@ from tasks.policy import tokens
 from tasks.policy.capacity import largest_fit, retry_after_s, token_budget
 from tasks.schema import ItemResult, Priority, WorkerInfo
 
-# The admission script's verdicts: the values of ``tasks.state.admission.Verdict`` (a StrEnum, whose members
-# compare equal to these; tests/test_refusal.py keeps the two the same).
-OK = "ok"
-FULL = "full"
-TENANT_FULL = "tenant_full"
-QUARANTINED = "quarantined"
-LATE = "late"
-TOKENS_FULL = "tokens_full"
-VERDICTS = (OK, FULL, TENANT_FULL, QUARANTINED, LATE, TOKENS_FULL)
+
+class Verdict(StrEnum):
+    """What the admission script (:mod:`tasks.state.admission`) answers for a call."""
+
+    OK = "ok"
+    FULL = "full"
+    TENANT_FULL = "tenant_full"
+    QUARANTINED = "quarantined"
+    LATE = "late"
+    TOKENS_FULL = "tokens_full"
 
 # After a FULL verdict for a model, this process refuses that model's calls of the same class for this long without
 # asking Redis again: at 400 items/s a few items' worth of room, against a queue a few seconds deep.
@@ -110,21 +112,21 @@ def admission_refusal(verdict: str, bad_hash: str | None, ahead: int, *, model: 
     """The error a call is refused with for this admission verdict (None: admitted). ``hashes``: its inputs'
     (the quarantined one is named by index); ``ahead``: the items ahead in the set that was full, drained at
     the rate of the model's ``workers`` for the Retry-After (never below ``retry_floor_s``)."""
-    if verdict == OK:
+    if verdict == Verdict.OK:
         return None
-    if verdict == LATE:
+    if verdict == Verdict.LATE:
         return Unavailable("Redis answered too late to admit the call (a slow or interrupted link); retry")
-    if verdict == QUARANTINED:
+    if verdict == Verdict.QUARANTINED:
         index = hashes.index(bad_hash or "")
         return PoisonInput(f"input {index} is quarantined (hash {bad_hash}): it failed alone before; an operator "
                            f"can release it with `llmb-admin quarantine release {bad_hash}`")
     served = [w for w in workers if w.model == model]
-    if verdict == TENANT_FULL:
+    if verdict == Verdict.TENANT_FULL:
         cap = tenant_cap or admission_cap
         return TenantOverLimit(
             f"tenant {tenant!r} is at its cap of {cap} items in flight; retry when some are answered "
             "(other tenants are not affected)", retry_after_s=retry_after_s(ahead, served, floor_s=retry_floor_s))
-    if verdict == TOKENS_FULL:
+    if verdict == Verdict.TOKENS_FULL:
         return QueueFull(f"the KV memory of every worker serving {model!r} is spoken for ({ahead} tokens "
                          "admitted and unanswered); retry later", retry_after_s=retry_floor_s)
     return QueueFull("the service is full: no room to answer this request within its deadline; retry later",

@@ -32,27 +32,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import NamedTuple
 
 import redis
 
 from tasks.config import Settings
+from tasks.policy.refusal import Verdict
 from tasks.schema import Priority
 from tasks.state import admission_scripts as scripts
 from tasks.state.keys import Keys
 from tasks.state.lua import positional
 
 NEVER = 1e18  # a valid_until that never comes
-
-
-class Verdict(StrEnum):
-    OK = "ok"
-    FULL = "full"
-    TENANT_FULL = "tenant_full"
-    QUARANTINED = "quarantined"
-    LATE = "late"
-    TOKENS_FULL = "tokens_full"
 
 
 class Decision(NamedTuple):
