@@ -272,7 +272,8 @@ def test_sigkill_of_the_api_process_holding_the_call_then_a_retry_gets_the_answe
 
 def test_a_claim_whose_process_died_before_publishing_is_taken_over_at_once() -> None:
     """At the Redis level: the claim names a record that was never published and whose process holds no lease.
-    A retry claims the key at once (the call never ran); a published one, or one whose process lives, is waited on."""
+    A retry claims the key at once (the call never ran); one marked as being sent (its process may have died after
+    the publish, before the confirm's mark) or published, or one whose process lives, is waited on."""
     import redis as redis_lib
 
     from tasks.state.keys import Keys
@@ -292,17 +293,20 @@ def test_a_claim_whose_process_died_before_publishing_is_taken_over_at_once() ->
 
     try:
         client.zadd(leases, {"alive": now + 60})
-        for instance, publish, taken_over in (("dead", False, True), ("dead", True, False), ("alive", False, False)):
-            idem = Idempotency(f"key-{instance}-{publish}", "body")
+        for instance, mark, taken_over in (("dead", "", True), ("dead", "sending", False),
+                                           ("dead", "published", False), ("alive", "", False)):
+            idem = Idempotency(f"key-{instance}-{mark}", "body")
             first = replace(record(uuid.uuid4().hex, instance), key_hash=idem.key_hash)
             assert requests_.claim(first, idem, now).claimed
-            if publish:
-                requests_.published([first])
+            if mark:
+                assert requests_.published([first], sending=mark == "sending") == [True]
             assert requests_.peek("t", idem).claimed is taken_over
             retry = requests_.claim(replace(record(uuid.uuid4().hex, "retrier"), key_hash=idem.key_hash), idem, now)
-            assert retry.claimed is taken_over, (instance, publish)
+            assert retry.claimed is taken_over, (instance, mark)
             if not taken_over:
                 assert retry.view is not None and retry.view.record.request_id == first.request_id
+            else:  # the first call's process comes back: its mark finds the key taken over, so it does not publish
+                assert requests_.published([first], sending=True) == [False]
     finally:
         client.delete(*client.keys(f"{keys.namespace}:*") or ["none"])
 

@@ -20,7 +20,7 @@ import redis
 
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
-from tasks.errors import BatchingError, InvalidInput, QueueFull, Unavailable
+from tasks.errors import BatchingError, IdempotencyConflict, InvalidInput, QueueFull, Unavailable
 from tasks.gateway import readiness
 from tasks.gateway.calls import Answer, Call, Events, Lookup
 from tasks.gateway.gate import NO_GATE, Gate, Turn
@@ -288,7 +288,8 @@ class Gateway:
                 waiters[i] = self.listener.expect(list(calls[i].admit.item_ids))
                 calls[i].turn.leave()
             hand_on()
-            error = self._publish([calls[i].prepared for i in published])
+            error = self._mark_sending([calls[i] for i in published]) or self._publish(
+                [calls[i].prepared for i in published])
             if error is None:
                 self._mark_published([calls[i] for i in published])
             for i in published:
@@ -338,16 +339,33 @@ class Gateway:
             return broker_refusal(exc)
         return None
 
+    def _mark_sending(self, calls: Sequence[Joining]) -> BatchingError | None:
+        """Mark the records of the idempotent calls (those whose claim wrote the record) as being sent, before
+        the publish: a retry takes over the key of a dead process's call only while its record is unmarked, so
+        no retried call can run twice. A call whose mark cannot be written is not sent (the error its caller
+        gets), nor one whose key a retry took over while this process stalled."""
+        records = [c.prepared.record for c in calls if c.admit.record is None]
+        if not records:
+            return None
+        try:
+            written = self.requests.published(records, sending=True)
+        except redis.RedisError as exc:
+            return redis_refusal(exc)
+        if not all(written):
+            return IdempotencyConflict("a retry with this Idempotency-Key took the call over while this one waited; "
+                                       "its answer is the retry's")
+        return None
+
     def _mark_published(self, calls: Sequence[Joining]) -> None:
-        """Mark the records of the idempotent calls (those whose claim wrote the record) published, in the round
-        that published them: a process killed between the confirm and the mark can run such a call twice, and
-        that window is one round trip long, not every caller's wake-up."""
+        """Mark the idempotent calls' records published once RabbitMQ confirmed them (a retry then waits for
+        their answers, not only up to the deadline of a call that may run). Best effort: unmarked, they stay
+        "being sent", which is followed as well."""
         records = [c.prepared.record for c in calls if c.admit.record is None]
         if not records:
             return
         try:
             self.requests.published(records)
-        except redis.RedisError as exc:  # a retry after this process died would wait for the deadline
+        except redis.RedisError as exc:
             log.warning("could not mark %d requests published: %s", len(records), exc)
 
     def _unadmit(self, joining: Joining, waiter: Waiter | None = None) -> None:

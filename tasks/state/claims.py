@@ -28,6 +28,7 @@ import redis
 
 from tasks.config import Settings
 from tasks.state.keys import Keys
+from tasks.state.lua import source
 
 DONE, RECOVERED = "~done", "~recovered"
 
@@ -40,28 +41,6 @@ class Verdict(StrEnum):
     MINE = "mine"  # this run holds it already (redelivered to it)
     DIED = "died"  # the run named in the claim died holding it
     STRANDED = "stranded"  # it never started: send it elsewhere
-
-# KEYS[1] claim; ARGV[1] run id; ARGV[2] ttl -> "run" | "skip" | "mine" | "died:<owner>"
-_FOR_RUN = """
-if redis.call('SET', KEYS[1], ARGV[1], 'NX', 'EX', ARGV[2]) then return 'run' end
-local owner = redis.call('GET', KEYS[1])
-if owner == false or string.sub(owner, 1, 1) == '~' then return 'skip' end
-if owner == ARGV[1] then return 'mine' end
-redis.call('SET', KEYS[1], '~recovered', 'EX', ARGV[2])
-return 'died:' .. owner
-"""
-
-# KEYS[1] claim; ARGV[1] ttl; ARGV[2] token -> "stranded" | "died:<owner>" | "skip"
-_FOR_RECOVERY = """
-if redis.call('SET', KEYS[1], '~s:' .. ARGV[2], 'NX', 'EX', ARGV[1]) then return 'stranded' end
-local owner = redis.call('GET', KEYS[1])
-if owner == '~s:' .. ARGV[2] then return 'stranded' end
-local mark = '~d:' .. ARGV[2] .. '|'
-if string.sub(owner, 1, #mark) == mark then return 'died:' .. string.sub(owner, #mark + 1) end
-if owner == false or string.sub(owner, 1, 1) == '~' then return 'skip' end
-redis.call('SET', KEYS[1], mark .. owner, 'EX', ARGV[1])
-return 'died:' .. owner
-"""
 
 
 @dataclass(frozen=True)
@@ -82,8 +61,8 @@ class Claims:
         self.client = client
         self.prefix = prefix
         self.ttl_s = ttl_s
-        self._for_run = client.register_script(_FOR_RUN)
-        self._for_recovery = client.register_script(_FOR_RECOVERY)
+        self._for_run = client.register_script(source("claims_for_run"))
+        self._for_recovery = client.register_script(source("claims_for_recovery"))
 
     @classmethod
     def from_settings(cls, settings: Settings, client: redis.Redis) -> Claims:

@@ -110,8 +110,9 @@ class Record:
     instance: str  # the API process that runs it (its admission lease says whether it is alive)
     shape: Shape = field(default_factory=Shape)
     outcome: Outcome | None = None
-    # idempotent calls: written False with the claim, True once the request is in RabbitMQ; a claim whose call
-    # was never published and whose process is dead is taken over at once, not waited on until its deadline
+    # idempotent calls: written False with the claim, None ("perhaps sent") just before the publish, True once
+    # RabbitMQ confirmed it; a claim whose call is still False and whose process is dead is taken over at once
+    # (it never ran), one that is None is followed to its deadline (it may run); None too for records from before
     published: bool | None = None
     key_hash: str | None = None  # idempotent calls: sha256 of the key; the record then lives under the key
 

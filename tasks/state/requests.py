@@ -205,14 +205,18 @@ class Requests:
         self._update(keys=[self.record_key(record), self._idem_key(record.tenant, idem)],
                      args=positional(UpdateArgs(record=done, item=record.items[0], ttl_s=ttl_s)))
 
-    def published(self, records: Sequence[Record]) -> None:
-        """Mark idempotent calls' records (one round trip): their requests are in RabbitMQ, so a retry waits for
-        them to be answered."""
+    def published(self, records: Sequence[Record], *, sending: bool = False) -> list[bool]:
+        """Mark idempotent calls' records (one round trip): their requests are in RabbitMQ (or, ``sending``, about
+        to be sent and perhaps there), so a retry waits for them to be answered. The mark before the publish is
+        what makes a key safe to take over: a record still unmarked was never sent; one marked "sending" whose
+        process died may have been, and a retry follows it up to its deadline rather than running it twice. Per
+        record, whether it was still its call's (False: a retry took its key over while this process stalled)."""
         pipe = self.client.pipeline(transaction=False)
         for record in records:
-            args = UpdateArgs(record=replace(record, published=True).to_json(), item=record.items[0], ttl_s="")
+            marked = replace(record, published=None if sending else True)
+            args = UpdateArgs(record=marked.to_json(), item=record.items[0], ttl_s="")
             self._update(keys=[self.record_key(record), ""], args=positional(args), client=pipe)
-        pipe.execute()
+        return [bool(written) for written in pipe.execute()]
 
     def release(self, record: Record, idem: Idempotency | None) -> None:
         """Forget a call that did not run (refused, or a stream whose caller went away), and free its key; what

@@ -38,8 +38,9 @@ if held then
     if not r or (own and r.items[1] ~= claim.item) then return {'held', held, record, -1, 0, tostring(now)} end
     if r.items[1] == claim.item then
       local found = view(record, ARGV[5], KEYS[3])
-      -- a call whose process died before publishing it will never run: its key is free again
-      local never = r.published == false and found[3] == 0
+      -- a call whose process died before it was being sent will never run: its key is free again (not one with
+      -- a result: a record from a version that marked it only after the confirm)
+      local never = r.published == false and found[2] == 0 and found[3] == 0
       if not never then return {'held', held, found[1], found[2], found[3], found[4]} end
     end
   end
