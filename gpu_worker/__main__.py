@@ -51,10 +51,12 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.backends import load_backend
     from gpu_worker.cancellations import Cancellations
     from gpu_worker.device_lock import DeviceLock, DeviceTaken
+    from gpu_worker.device_slots import HOST_THREADS
     from gpu_worker.drain import empty_queue, hear_sigterm_once
     from gpu_worker.heartbeat import Announcer, GiveBack, HeartbeatStep, WorkerRuntime
-    from gpu_worker.runner import HOST_THREADS, BatchRunner, WorkerState, measure_full_batch
+    from gpu_worker.runner import BatchRunner
     from gpu_worker.supervisor import CANNOT_START, DEVICE_TAKEN
+    from gpu_worker.worker_state import WorkerState, measure_full_batch
     from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.broker.queues import recovery_queue
     from tasks.config import Settings

@@ -15,7 +15,7 @@ from celery import Celery, bootsteps
 from celery.worker import state as celery_state
 from kombu import Connection, Queue
 
-from gpu_worker.runner import WorkerState
+from gpu_worker.worker_state import WorkerState
 from tasks.broker.queues import RETRY_POLICY, fleet_exchange
 from tasks.config import Settings
 from tasks.schema import DRAINING, Batch, BatchEvent, Failure, WorkerInfo

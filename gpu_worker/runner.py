@@ -14,7 +14,6 @@ import logging
 import threading
 import time
 import uuid
-from collections import deque
 from collections.abc import Callable, Container
 from typing import Any, TypeVar
 
@@ -22,6 +21,8 @@ import redis
 from celery.exceptions import Reject
 
 from gpu_worker.backends import Backend, Hooks, ItemError
+from gpu_worker.device_slots import Device, Held
+from gpu_worker.worker_state import WorkerState
 from tasks.schema import Batch, BatchEvent, BatchItem, Failure, ItemResult
 from tasks.state.claims import Claims, Verdict
 from tasks.state.results import ResultWriter, publish_deltas
@@ -32,143 +33,6 @@ T = TypeVar("T")
 
 GiveBack = Callable[[Batch, Failure, str, str], None]  # batch, failure, error, the worker id to blame
 REDIS_RETRY_S = (0.1, 0.2, 0.5, 1.0)  # pauses between attempts while Redis is unreachable
-
-
-class WorkerState:
-    """What the heartbeat reports about this worker; updated by the runner, read by the heartbeat thread.
-    ``clock`` is the fleet's shared wall clock (:class:`tasks.state.clock.SharedClock`): every time this worker
-    compares with another host's (a caller's deadline) or reports (its heartbeat) is on it."""
-
-    def __init__(self, ema_alpha: float = 0.2, window_s: float = 60.0,
-                 clock: Callable[[], float] = time.time) -> None:
-        self.clock = clock
-        self._lock = threading.Lock()
-        self.alpha = ema_alpha
-        self.batch_started_at: float | None = None
-        self.batch_ms_estimate = 0.0
-        self.completed = 0
-        self.window_s = window_s
-        self._recent: deque[tuple[float, float, int]] = deque()  # (finished at, run seconds, tokens)
-        self._since = clock()
-
-    def started(self, at: float) -> None:
-        with self._lock:
-            self.batch_started_at = at
-
-    def finished(self, run_ms: float | None) -> None:
-        with self._lock:
-            self.batch_started_at = None
-            self.completed += 1
-            if run_ms is not None:
-                est = self.batch_ms_estimate
-                self.batch_ms_estimate = run_ms if est == 0 else est + self.alpha * (run_ms - est)
-
-    def first_estimate(self, run_ms: float) -> None:
-        """The batch time measured before serving (a warm-up): the estimate, not a completed batch."""
-        with self._lock:
-            self.batch_ms_estimate = run_ms
-
-    def add_work(self, run_s: float, tokens: int, now: float) -> None:
-        with self._lock:
-            self._recent.append((now, run_s, tokens))
-
-    def rates(self, now: float) -> tuple[float, float]:
-        """(tokens per second, fraction of time busy) over the last ``window_s``. Busy time is the union of
-        the batches' run intervals: batches that run at once (continuous batching's slots) count once."""
-        with self._lock:
-            while self._recent and now - self._recent[0][0] > self.window_s:
-                self._recent.popleft()
-            span = min(self.window_s, max(now - self._since, 1e-6))
-            intervals = sorted((max(end - run, now - span), end) for end, run, _ in self._recent)
-            tokens = sum(t for _, _, t in self._recent)
-        busy, reach = 0.0, float("-inf")
-        for start, end in intervals:
-            if end > reach:
-                busy += end - max(start, reach)
-                reach = end
-        return tokens / span, min(1.0, busy / span)
-
-    def free_in_ms(self, now: float) -> float:
-        """Estimated time until the running batch ends (0 when idle)."""
-        with self._lock:
-            if self.batch_started_at is None:
-                return 0.0
-            return max(0.0, self.batch_ms_estimate - (now - self.batch_started_at) * 1000)
-
-
-def measure_full_batch(backend: Backend, state: WorkerState) -> None:
-    """Time one full batch before the worker serves, as the first batch-time estimate it reports.
-
-    Admission sizes its deadline cap from the workers' measured batch times; a worker that had measured
-    nothing would leave the cap at its configured maximum, so a burst into a new fleet was admitted whole and
-    answered 504 past the callers' deadlines (measured: 1,703 of 3,000 calls, 5 s deadline, one 250 ms worker).
-    A failure here is logged and leaves the estimate unmeasured: the worker still serves."""
-    inputs = ["warm-up"] * backend.max_batch
-    started = time.perf_counter()
-    try:
-        backend.run(inputs, [{"max_tokens": 2, "temperature": 0} for _ in inputs])
-    except Exception:
-        log.exception("the full-batch warm-up failed; admission will size from the first real batch")
-        return
-    state.first_estimate((time.perf_counter() - started) * 1000)
-
-
-HOST_THREADS = 1  # batch threads beyond the device's slots: they write results while the device runs the next batch
-
-
-class Device:
-    """The device's slots, and since when it has sat free: a batch that finds it free came late, and says by how
-    much (``idle_ms`` of its "started" announcement), so that the batchers learn to hand the next one over sooner.
-    """
-
-    def __init__(self, slots: int, clock: Callable[[], float] = time.monotonic) -> None:
-        self.slots = slots
-        self.clock = clock
-        self._free = threading.Semaphore(slots)
-        self._lock = threading.Lock()
-        self._held = 0
-        self._free_since: float | None = clock()  # None while every slot is taken
-
-    def acquire(self) -> None:
-        self._free.acquire()
-        with self._lock:
-            self._held += 1
-            if self._held >= self.slots:
-                self._free_since = None
-
-    def release(self) -> None:
-        with self._lock:
-            self._held -= 1
-            if self._free_since is None:
-                self._free_since = self.clock()
-        self._free.release()
-
-    def idle_s(self) -> float | None:
-        """How long a slot has been free (0: all are taken; None with several slots: a slot free is no news)."""
-        if self.slots != 1:
-            return None
-        with self._lock:
-            since = self._free_since
-        return 0.0 if since is None else self.clock() - since
-
-
-class _Held:
-    """A slot of the device, taken when made; released at the first :meth:`release` (or the end of a ``with``)."""
-
-    def __init__(self, slots: Device) -> None:
-        slots.acquire()
-        self._slots: Device | None = slots
-
-    def release(self) -> None:
-        slots, self._slots = self._slots, None
-        if slots is not None:
-            slots.release()
-
-    def __enter__(self) -> _Held:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
 
 
 class BatchRunner:
@@ -233,13 +97,13 @@ class BatchRunner:
             return {"batch_id": batch.id, "size": len(batch.items), "dropped_expired": len(batch.items)}
         # The device is taken before the claim: a batch claimed here is one running (if this process dies, whoever
         # takes the batch back blames it), never one waiting for the device.
-        device = _Held(self.device)
+        device = Held(self.device)
         try:
             return self._claimed(batch, device, answered, idle_s)
         finally:
             device.release()
 
-    def _claimed(self, batch: Batch, device: _Held, answered: set[str], idle_s: float | None) -> dict[str, Any]:
+    def _claimed(self, batch: Batch, device: Held, answered: set[str], idle_s: float | None) -> dict[str, Any]:
         summary: dict[str, Any] = {"batch_id": batch.id, "size": len(batch.items)}
         if self.draining.is_set():
             log.info("batch %s: stopping; handing it back unstarted", batch.id, extra={"batch_id": batch.id})
@@ -264,7 +128,7 @@ class BatchRunner:
         finally:
             self._running.discard(batch.id)
 
-    def _execute(self, batch: Batch, summary: dict[str, Any], device: _Held, answered: set[str],
+    def _execute(self, batch: Batch, summary: dict[str, Any], device: Held, answered: set[str],
                  idle_s: float | None) -> dict[str, Any]:
         # Items whose caller will be gone before this batch can finish are not worth running.
         horizon = self.state.clock() + self.state.batch_ms_estimate / 1000

@@ -1,4 +1,4 @@
-"""``llmb-jobs``: the process that runs the Batch API's jobs (:mod:`tasks.broker.jobs` is its loop).
+"""``llmb-jobs``: the process that runs the Batch API's jobs (:mod:`tasks.jobs.feeder` is its loop).
 
 It is composed like an API process (:class:`webapp.services.Services`: the same gateway, key store and tenant
 directory) and runs each line the way its endpoint's route would (:class:`LineRunner`: the same body checks,
@@ -23,10 +23,11 @@ from typing import Any
 
 import click
 
-from tasks.broker.jobs import Feeder, LineResult
 from tasks.config import Settings
 from tasks.errors import BatchingError, Forbidden, InvalidInput, RecordUnreadable
 from tasks.gateway.calls import Answer, Call
+from tasks.jobs.feeder import Feeder
+from tasks.jobs.job_run import LineResult
 from tasks.logs import setup_logging
 from tasks.policy.batchfile import idempotency_key
 from tasks.policy.feeding import waits_for_earlier

@@ -22,7 +22,8 @@ SLOTS_DEVICE = 3  # the continuous run with more slots (--slots)
 def static_model_s(calls: list[dict[str, Any]], speed: float) -> float:
     """What sim-lm's model says one static batch of ``calls`` takes (wall seconds at ``speed``): split as the
     backend splits it to fit the KV cache, each part padded to its longest prompt and its largest max_tokens."""
-    from gpu_worker.backends.sim_lm_engine import SimTokenizer, Timing, static_time_ms
+    from gpu_worker.backends.sim_lm_engine import Timing, static_time_ms
+    from gpu_worker.backends.sim_lm_text import SimTokenizer
     from tasks.config import Settings
 
     s = Settings.from_env()

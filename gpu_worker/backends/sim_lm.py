@@ -34,13 +34,11 @@ from gpu_worker.backends.sim_lm_engine import (
     Event,
     KVCache,
     Seq,
-    SimTokenizer,
-    Text,
     Timing,
     run_static,
-    sampling_key,
     static_groups,
 )
+from gpu_worker.backends.sim_lm_text import SimTokenizer, Text, sampling_key
 
 log = logging.getLogger("llmb.worker")
 

@@ -1,6 +1,7 @@
 """The pure part of ``sim-lm``: a token-level model of a generative device, free of torch, threads and sleeps.
 
-What it models (the backend, :mod:`gpu_worker.backends.sim_lm`, runs it against a real clock):
+What it models (the backend, :mod:`gpu_worker.backends.sim_lm`, runs it against a real clock; the tokeniser and
+the text are in :mod:`gpu_worker.backends.sim_lm_text`):
 
 - a tokeniser: pieces of words, whitespace and punctuation (a word of up to 6 characters is one token, a
   longer one a token per 4 characters), so prompt token counts are plausible;
@@ -52,15 +53,13 @@ gpu_memory_utilization) less 13.5 GB of weights leaves 59.4 GiB: 121,744 tokens 
 """
 from __future__ import annotations
 
-import hashlib
-import math
-import re
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.backends.generation import Row, StopText, completion
+from gpu_worker.backends.sim_lm_text import VOCAB, SimTokenizer, Text
 
 # -- the published figures the defaults come from (see the module docstring) --------------------------------
 LLAMA2_7B = {"layers": 32, "hidden": 4096, "params": 6_738_415_616, "context": 4096}
@@ -88,78 +87,6 @@ class Timing:
     def step(self, sequences: int, prefill_tokens: int = 0) -> float:
         """Milliseconds of one decoding step for ``sequences`` running, ``prefill_tokens`` prefilled in it."""
         return self.step_ms + self.step_ms_per_seq * sequences + self.prefill_ms_per_token * prefill_tokens
-
-
-# -- tokeniser and text -------------------------------------------------------------------------------------
-_PIECES = re.compile(r" ?\w+| ?[^\w\s]|\s")
-_CONSONANTS, _VOWELS = "bdfghklmnprstvz", "aeiou"
-_SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]
-WORDS = [" " + a for a in _SYLLABLES] + [" " + a + b for a in _SYLLABLES for b in _SYLLABLES]
-VOCAB = [".", ","] + WORDS  # token id -> text; every entry is one token to the tokeniser
-
-
-class SimTokenizer:
-    """Deterministic word-piece tokeniser, shaped like a Hugging Face tokenizer where
-    :func:`gpu_worker.backends.generation.completion` uses one (``__call__`` and ``decode``)."""
-
-    def pieces(self, text: str) -> list[str]:
-        out = []
-        for piece in _PIECES.findall(text):
-            word = piece.lstrip(" ")
-            if len(word) <= 6:
-                out.append(piece)
-                continue
-            lead = piece[:len(piece) - len(word)]
-            out += [lead + word[:4]] + [word[i:i + 4] for i in range(4, len(word), 4)]
-        return out
-
-    def encode(self, text: str) -> list[int]:
-        return [int.from_bytes(hashlib.blake2b(p.encode(), digest_size=4).digest(), "big") for p in self.pieces(text)]
-
-    def __call__(self, text: str, add_special_tokens: bool = True) -> dict[str, list[int]]:
-        return {"input_ids": self.encode(text)}
-
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(VOCAB[i] for i in ids)
-
-
-GREEDY = b"greedy"
-
-
-def sampling_key(temperature: float, top_p: float, seed: int | None, fresh: Callable[[], bytes]) -> bytes:
-    """What, besides the prompt, a request's tokens depend on: nothing for greedy decoding, else the sampling
-    parameters and the seed (``fresh()`` randomness when there is none: every call then differs)."""
-    if temperature == 0:
-        return GREEDY
-    return f"t={temperature!r},p={top_p!r},".encode() + (str(seed).encode() if seed is not None else fresh())
-
-
-class Text:
-    """The deterministic answer to one prompt under one sampling key."""
-
-    def __init__(self, prompt: str, key: bytes) -> None:
-        self.root = hashlib.blake2b(prompt.encode() + b"\0" + key, digest_size=16).digest()
-
-    def _hash(self, label: bytes) -> int:
-        return int.from_bytes(hashlib.blake2b(self.root + label, digest_size=8).digest(), "big")
-
-    def token(self, position: int) -> int:
-        h = self._hash(position.to_bytes(4, "big"))
-        r = h % 1000
-        if r < 40:
-            return 0  # "."
-        if r < 70:
-            return 1  # ","
-        return 2 + (h >> 10) % len(WORDS)
-
-    def eos(self, mean: float) -> int | None:
-        """Tokens before the end-of-sequence token: geometric with mean ``mean``; None when EOS is off."""
-        if mean <= 0:
-            return None
-        if mean <= 1:
-            return 1
-        u = (self._hash(b"eos") + 1) / 2.0**64  # in (0, 1]
-        return 1 + int(math.log(u) / math.log(1 - 1 / mean))
 
 
 # -- sequences ----------------------------------------------------------------------------------------------

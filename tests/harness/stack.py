@@ -12,7 +12,10 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
+from typing import TypeVar
 
 import redis
 import requests
@@ -351,6 +354,36 @@ class Stack:
                     channel.queue_delete(queue)
                 except Exception:
                     channel = conn.channel()
+
+
+S = TypeVar("S", bound=Stack)
+WorkerSpec = int | tuple[int, Mapping[str, object]]  # a device index, or one with its own settings
+
+
+@contextmanager
+def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = (0,), batcher: bool = True,
+                  web_workers: int | None = 2, jobs: Sequence[str] = (), ready: bool = True,
+                  factory: Callable[..., S] = Stack, **env: object) -> Iterator[S]:  # type: ignore[assignment]
+    """The one way an end-to-end test starts the system: ``workers`` (``1`` or ``(1, {"model": "slow"})``),
+    one batcher, gunicorn with ``web_workers`` processes (None: no web API), an `llmb-jobs` per name in ``jobs``;
+    ``env`` are settings without their ``LLMB_`` prefix. It waits until every worker is ready, and stops
+    everything (and removes the stack's queues and keys) however the test ends."""
+    stack = factory(tmp, **env)
+    try:
+        for spec in workers:
+            device, options = (spec, {}) if isinstance(spec, int) else spec
+            stack.start_worker(device, **options)  # type: ignore[arg-type]
+        if batcher:
+            stack.start_batcher()
+        if web_workers is not None:
+            stack.start_web(workers=web_workers)
+        for name in jobs:
+            stack.start_jobs(name)
+        if ready and workers:
+            stack.wait_ready(workers=len(workers))
+        yield stack
+    finally:
+        stack.close()
 
 
 def children_of(pid: int) -> list[int]:

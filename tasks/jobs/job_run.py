@@ -1,0 +1,319 @@
+"""One batch job, run by one thread of ``llmb-jobs`` while its :class:`tasks.jobs.feeder.Feeder` holds the job's
+lease: validate the input file, keep a window of lines in flight, commit finished lines in groups, write the
+output and error files (the module docstring of :mod:`tasks.jobs.feeder` tells the whole loop)."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from sqlalchemy.exc import SQLAlchemyError
+
+from tasks.config import Settings
+from tasks.policy.batchfile import InputCheck, InputLine, LineError, error_line, output_file_id, response_line
+from tasks.policy.feeding import FeedControl, Verdict, gives_up, verdict
+from tasks.store.jobs import JobInfo, Line, LineOutcome
+
+if TYPE_CHECKING:
+    from tasks.jobs.feeder import Feeder
+
+log = logging.getLogger("llmb.jobs")
+
+REFILL = 500  # pending lines read from the database at a time
+COMMIT_EVERY_S = 0.1  # finished lines are committed in groups, at least this often
+COMMIT_MAX = 500
+PROGRESS_EVERY_S = 10.0  # a progress line per running job in the log
+
+
+@dataclass(frozen=True)
+class LineResult:
+    """What running one line gave: an HTTP status and body, as the endpoint would have answered it."""
+
+    status_code: int
+    body: Any
+    error_type: str | None = None
+    retry_after_s: float | None = None
+    ran: bool = True  # it ran on a worker now (not refused at the door, nor an earlier run's answer replayed)
+
+
+# (job, line, generation) -> its answer; the generation counts the line's runs whose deadline passed in this process
+# (each one is a new run: a runner keying lines for idempotency gives each generation a key of its own)
+RunLine = Callable[[JobInfo, Line, int], LineResult]
+
+
+def default_control(settings: Settings) -> FeedControl:
+    return FeedControl(initial=settings.jobs_initial_in_flight, ceiling=settings.jobs_max_in_flight)
+
+
+@dataclass
+class _Sent:
+    line: Line
+    sent_at: float  # monotonic
+    attempts: int
+
+
+class JobRun:
+    """One job, run by one thread while its feeder holds the lease."""
+
+    def __init__(self, feeder: Feeder, job_id: str) -> None:
+        self.feeder = feeder
+        self.store = feeder.store
+        self.job_id = job_id
+        self.lost = threading.Event()  # the lease is gone: stop sending, another process may have the job
+        self.thread = threading.Thread(target=self._main, name=f"job-{job_id}", daemon=True)
+        self.control = (feeder.control or default_control)(feeder.settings)
+        self.answers: queue.Queue[tuple[_Sent, LineResult | None]] = queue.Queue()
+        self.in_flight: dict[int, _Sent] = {}
+        self.attempts: dict[int, int] = {}
+        self.generation: dict[int, int] = {}  # line -> its runs that ended past their deadline
+        self.todo: deque[Line] = deque()
+        self.finished: list[LineOutcome] = []
+        self.tenant = ""  # the job's, once read
+        self.replayed = 0  # lines answered with an earlier run's answer (sent again after a crash)
+
+    # -- the run -----------------------------------------------------------------------------------------
+    def _main(self) -> None:
+        try:
+            job = self.store.get(self.job_id)
+            if job is None:
+                return
+            self.tenant = job.tenant
+            if job.status == "validating":
+                job = self._validate(job)
+            if job is not None and job.status in ("in_progress", "cancelling"):
+                end = self._feed(job)
+                if end is not None:
+                    self._finalize(job, end)
+            elif job is not None and job.status == "finalizing":
+                self._finalize(job, "completed")
+        except Exception:
+            log.exception("job %s failed in this process; its lease lapses and it is taken up again", self.job_id)
+        finally:
+            self._wait_in_flight(self.feeder.settings.jobs_lease_s)
+
+    def _check(self, job: JobInfo) -> InputCheck:
+        s = self.feeder.settings
+        return InputCheck(job.endpoint, s.jobs_max_lines, s.max_body_bytes)
+
+    def _validate(self, job: JobInfo) -> JobInfo | None:
+        """Check the input file in one pass that keeps nothing but its errors, then write its lines in a second
+        pass, as they are read: memory is one line and the custom_ids' digests, whatever the file's size."""
+        now = self.feeder.clock()
+        files = self.feeder.files
+        if files.get(job.tenant, job.input_file_id) is None:
+            self.store.fail(job.id, self.feeder.owner, [LineError(0, "invalid_file", f"the input file "
+                                                                   f"{job.input_file_id!r} does not exist")], now)
+            log.info("job %s failed: its input file %s was deleted or expired", job.id, job.input_file_id)
+            return None
+        errors = self._errors(job)
+        if errors:
+            self.store.fail(job.id, self.feeder.owner, errors, now)
+            log.info("job %s failed validation: %d error(s), first: %s", job.id, len(errors), errors[0].message)
+            return None
+        with files.open(job.input_file_id) as f:
+            written = self.store.start(job.id, self.feeder.owner, self._unchanged(job, f), now)
+        if written is None:
+            return self.store.get(job.id)  # cancelled meanwhile, or the lease was lost
+        log.info("job %s: %d lines to run against %s for tenant %s", job.id, written, job.endpoint, job.tenant)
+        return self.store.get(job.id)
+
+    def _errors(self, job: JobInfo) -> list[LineError]:
+        """The first pass: what is wrong with the file (its check, and the custom_ids it remembers, are let go
+        before the second pass remembers them again)."""
+        check = self._check(job)
+        with self.feeder.files.open(job.input_file_id) as f:
+            for _ in check.lines(f):
+                pass
+        return check.report()
+
+    def _unchanged(self, job: JobInfo, f: Any) -> Iterator[InputLine]:
+        """The lines of a file checked already; an error now (the file changed under us) undoes the writing."""
+        check = self._check(job)
+        yield from check.lines(f)
+        if check.report():
+            raise RuntimeError(f"the input file {job.input_file_id} changed while job {job.id} was validated")
+
+    def _feed(self, job: JobInfo) -> str | None:
+        """Send every pending line; returns how the job ends ("completed", "cancelled", "expired"), or None when
+        this process must stop running it (lease lost, shutting down)."""
+        settings = self.feeder.settings
+        cursor, exhausted = -1, False
+        committed_at = time.monotonic()
+        checked_at = 0.0
+        ending: str | None = "cancelled" if job.status == "cancelling" else None
+        reported_at = time.monotonic()
+        while True:
+            now = time.monotonic()
+            if now - reported_at >= PROGRESS_EVERY_S:
+                reported_at = now
+                log.info("job %s: %d lines in flight (window %.0f), %d waiting to be sent, pause %.1f s", job.id,
+                         len(self.in_flight), self.control.window, len(self.todo), self.control.wait_s(now))
+            if now - checked_at >= settings.jobs_poll_s:  # cancelled? expired?
+                checked_at = now
+                status = self.store.status(job.id)
+                if status == "cancelling":
+                    ending = "cancelled"
+                elif status not in ("in_progress",):
+                    ending = ending or "gone"
+                if ending is None and self.feeder.clock() >= job.expires_at:
+                    ending = "expired"
+            stop = self.lost.is_set() or self.feeder.stopping.is_set()
+            if ending is None and not stop:
+                if not exhausted and len(self.todo) < max(REFILL // 2, int(self.control.window)):
+                    more = self.store.pending(job.id, cursor, REFILL)
+                    self.todo.extend(x for x in more if x.line_no not in self.in_flight)
+                    cursor = more[-1].line_no if more else cursor
+                    exhausted = len(more) < REFILL
+                self._send(job, now)
+            self._collect(min(0.05, self.control.wait_s(now) or 0.05))
+            if self.finished and (len(self.finished) >= COMMIT_MAX or time.monotonic() - committed_at
+                                  >= COMMIT_EVERY_S or not self.in_flight):
+                self._commit()
+                committed_at = time.monotonic()
+            if self.in_flight or self.finished:
+                continue
+            if stop or ending == "gone":
+                return None
+            if ending is not None:
+                return ending
+            if exhausted and not self.todo:
+                if self.store.count(job.id, "pending") == 0:
+                    return "completed"
+                cursor, exhausted = -1, False  # lines left behind (none expected): read them again
+
+    def _send(self, job: JobInfo, now: float) -> None:
+        room = min(self.control.room(len(self.in_flight), now), len(self.todo))
+        if room <= 0:
+            return
+        granted = self.feeder.take(job.tenant, room)
+        for _ in range(granted):
+            line = self.todo.popleft()
+            sent = _Sent(line, time.monotonic(), self.attempts.get(line.line_no, line.attempts) + 1)
+            self.attempts[line.line_no] = sent.attempts
+            self.in_flight[line.line_no] = sent
+            try:
+                self.feeder.pool.submit(self._run_one, job, sent)
+            except RuntimeError:  # the pool is shut down: the process is stopping
+                self.in_flight.pop(line.line_no)
+                self.feeder.give(job.tenant)
+                self.todo.appendleft(line)
+                return
+
+    def _run_one(self, job: JobInfo, sent: _Sent) -> None:
+        try:
+            result: LineResult | None = self.feeder.run_line(job, sent.line,
+                                                             self.generation.get(sent.line.line_no, 0))
+        except Exception:
+            log.exception("line %s of job %s: unexpected error", sent.line.line_no, job.id)
+            result = None
+        self.answers.put((sent, result))
+
+    def _collect(self, wait_s: float) -> None:
+        try:
+            first = self.answers.get(timeout=max(0.001, wait_s))
+        except queue.Empty:
+            return
+        items = [first]
+        while True:
+            try:
+                items.append(self.answers.get_nowait())
+            except queue.Empty:
+                break
+        for sent, result in items:
+            self._answered(sent, result)
+
+    def _answered(self, sent: _Sent, result: LineResult | None) -> None:
+        line = sent.line
+        self.in_flight.pop(line.line_no, None)
+        self.feeder.give(self.tenant)
+        now = time.monotonic()
+        if result is None:  # an error of ours, not an answer
+            result = LineResult(500, {"error": {"message": "internal error running this line", "type":
+                                                "server_error", "param": None, "code": "internal_error"}},
+                                "internal_error")
+        v = verdict(result.status_code, result.error_type)
+        if result.error_type == "deadline_exceeded":
+            self.generation[line.line_no] = self.generation.get(line.line_no, 0) + 1
+        window = self.control.window
+        if v is Verdict.REFUSED:
+            self.control.refused(sent.sent_at, result.retry_after_s, now)
+        elif v is not Verdict.FINAL:
+            self.control.failed(sent.sent_at, now)
+        if v is not Verdict.FINAL and self.control.window < window:
+            log.info("job %s: %d %s: %.0f lines in flight at most now (was %.0f), sending again in %.1f s",
+                     self.job_id, result.status_code, result.error_type, self.control.window, window,
+                     self.control.wait_s(now))
+        if v is Verdict.FINAL:
+            ran = result.ran and result.status_code == 200
+            self.replayed += not result.ran
+            self.control.answered(now - sent.sent_at if ran else None, now)
+        if gives_up(v, sent.attempts):
+            output = response_line(line.request_id, line.custom_id, result.status_code, result.body)
+            self.finished.append(LineOutcome(line.line_no, result.status_code == 200, result.status_code, output,
+                                             sent.attempts))
+        else:
+            self.todo.appendleft(line)  # first in line once the job may send again
+
+    def _commit(self) -> None:
+        batch, self.finished = self.finished, []
+        try:
+            self.store.record(self.job_id, batch, self.feeder.clock())
+        except SQLAlchemyError as exc:
+            log.warning("could not commit %d finished line(s) of job %s (%s); retrying", len(batch), self.job_id,
+                        type(exc).__name__)
+            self.finished = batch + self.finished
+            time.sleep(0.5)
+
+    def _wait_in_flight(self, timeout_s: float) -> None:
+        """Let the lines still in flight finish and commit them (a stop, a lost lease, an error)."""
+        deadline = time.monotonic() + timeout_s
+        while (self.in_flight or self.finished) and time.monotonic() < deadline:
+            if self.in_flight:
+                self._collect(0.1)
+            if self.finished:
+                self._commit()
+        if self.lost.is_set() or not self.feeder.stopping.is_set():
+            return
+        try:
+            self.store.release(self.job_id, self.feeder.owner)
+        except SQLAlchemyError:
+            pass  # it lapses
+
+    # -- the end ---------------------------------------------------------------------------------------------
+    def _finalize(self, job: JobInfo, end: str) -> None:
+        """Write the output and error files from the committed lines, then mark the job done."""
+        owner, now = self.feeder.owner, self.feeder.clock()
+        if end == "completed":
+            self.store.finalizing(job.id, owner, now)
+        job = self.store.get(job.id) or job
+        code, message = {"cancelled": ("batch_cancelled", "the batch was cancelled before this request ran"),
+                         "expired": ("batch_expired", "the batch expired before this request ran")
+                         }.get(end, ("", ""))
+
+        def lines(want_ok: bool) -> Iterator[bytes]:
+            for _, custom_id, request_id, status, output in self.store.all_lines(job.id):
+                if status == "ok" and want_ok or status == "error" and not want_ok:
+                    yield (output or "").encode() + b"\n"
+                elif status == "pending" and not want_ok:
+                    yield error_line(request_id, custom_id, code or "batch_failed", message or "not run").encode() \
+                        + b"\n"
+
+        counts = self.store.counts(job.id)
+        out_id = err_id = None
+        expires = job.output_expires_s
+        if counts.get("ok"):
+            out_id = output_file_id(job.id, "output")
+            self.feeder.files.put(out_id, job.tenant, "batch_output", f"{job.id}_output.jsonl", lines(True), expires)
+        if counts.get("error") or counts.get("pending"):
+            err_id = output_file_id(job.id, "error")
+            self.feeder.files.put(err_id, job.tenant, "batch_output", f"{job.id}_error.jsonl", lines(False), expires)
+        if self.store.finish(job.id, owner, end, out_id, err_id, self.feeder.clock()):
+            log.info("job %s %s: %d ok, %d errors, %d not run (%d answered here by the run of an earlier process)",
+                     job.id, end, counts.get("ok", 0), counts.get("error", 0), counts.get("pending", 0),
+                     self.replayed)
+
