@@ -19,6 +19,7 @@ import random
 import tempfile
 import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,7 @@ from tests.harness.services import Vhost
 from tests.harness.stack import Stack
 
 
-def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> Stack:
+def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> AbstractContextManager[Stack]:
     return pooled.keyed_stack(tmp, batchers, embed, log_level="WARNING", **env)
 
 
@@ -35,8 +36,7 @@ key = pooled.key
 
 
 def flood(tmp: Path, batchers: int) -> dict[str, Any]:
-    stack = start(tmp, batchers)
-    try:
+    with start(tmp, batchers) as stack:
         a, b = key(stack, "a"), key(stack, "b")
 
         async def run() -> tuple[list[pooled.Call], list[pooled.Call], list[pooled.Call]]:
@@ -48,8 +48,6 @@ def flood(tmp: Path, batchers: int) -> dict[str, Any]:
                 return alone, await steady, flooded
 
         alone, beside, a_calls = asyncio.run(run())
-    finally:
-        stack.close()
     return {"scenario": "flood", "batchers": batchers, "b_alone": pooled.summary(alone),
             "b_beside_flood": pooled.summary(beside), "a_flood": pooled.summary(a_calls)}
 
@@ -57,8 +55,7 @@ def flood(tmp: Path, batchers: int) -> dict[str, Any]:
 def idle(tmp: Path, calls: int, clients: int = 20) -> dict[str, Any]:
     import openai
 
-    stack = start(tmp, embed=True)
-    try:
+    with start(tmp, embed=True) as stack:
         api_key = key(stack, "idle")
         errors: list[str] = []
         statuses: list[int] = []
@@ -87,8 +84,6 @@ def idle(tmp: Path, calls: int, clients: int = 20) -> dict[str, Any]:
             time.sleep(5.0 / clients)  # spread the clients over one period
         for t in threads:
             t.join()
-    finally:
-        stack.close()
     return {"scenario": "idle", "calls": len(statuses), "ok": statuses.count(200),
             "connection_errors": statuses.count(0), "errors": sorted(set(errors))[:5]}
 
@@ -114,21 +109,17 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
 
 
 def burst(tmp: Path) -> dict[str, Any]:
-    stack = start(tmp)
-    try:
+    with start(tmp) as stack:
         a = key(stack, "a")
         before = cpu_seconds(stack)
         calls = asyncio.run(pooled.burst(stack.url, 3000, "a", key=a, timeout_ms=5000))
         cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}
-    finally:
-        stack.close()
     return {"scenario": "burst", **pooled.summary(calls), "cpu_s": cpu}
 
 
 def brokercut(tmp: Path) -> dict[str, Any]:
     vhost = Vhost().create()
-    stack = start(tmp, broker_url=vhost.url)
-    try:
+    with start(tmp, broker_url=vhost.url) as stack:
         k = key(stack, "cut")
 
         async def run() -> list[pooled.Call]:
@@ -143,8 +134,6 @@ def brokercut(tmp: Path) -> dict[str, Any]:
                 return calls
 
         calls = asyncio.run(run())
-    finally:
-        stack.close()
         vhost.delete()
     late = [c for c in calls if c.status == 200 and c.latency_s > 4.0 + 1.0]
     return {"scenario": "brokercut", **pooled.summary(calls), "late_200": len(late),

@@ -99,9 +99,9 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
         model_backend,
         ResultWriter.from_settings(settings, client, count=True),
         worker_id, state,
-        announce=Announcer(settings.broker_url, settings.namespace),
+        announce=Announcer(settings.broker.url, settings.broker.namespace),
         claims=Claims.from_settings(settings, client),
-        give_back=GiveBack(app, recovery_queue(settings.recovery_queue, settings.queue_type), worker_id),
+        give_back=GiveBack(app, recovery_queue(settings.recovery_queue, settings.broker.queue_type), worker_id),
         record=ledger.record,
         observe=stats.observe_batch,
         cancelled=Cancellations(client, Keys.from_settings(settings).cancel),
@@ -127,7 +127,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     @signals.worker_shutdown.connect
     def _finish_drain(**_: object) -> None:
         try:
-            handed = empty_queue(settings.broker_url, queue, runner.give_back, worker_id)
+            handed = empty_queue(settings.broker.url, queue, runner.give_back, worker_id)
             if handed:
                 click.echo(f"gpu-worker: handed back {handed} queued batch(es) before leaving", err=True)
         except Exception as exc:  # the batchers take back what is left when they see this worker gone
@@ -148,8 +148,8 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     try:
         app.conf.worker_pool = "gpu_worker.drain:DrainingThreadPool"
         app.worker_main(["worker", f"--concurrency={model_backend.slots + HOST_THREADS}", f"--queues={queue}",
-                         f"--hostname={worker_id}", f"--loglevel={settings.log_level}",
-                         f"--prefetch-multiplier={settings.max_outstanding_batches}",
+                         f"--hostname={worker_id}", f"--loglevel={settings.process.log_level}",
+                         f"--prefetch-multiplier={settings.worker.max_outstanding_batches}",
                          "--without-gossip", "--without-mingle", "--task-events"])
     finally:
         ledger.close()

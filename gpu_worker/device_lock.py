@@ -97,7 +97,7 @@ def holder_looks_alive(holder: Holder | None, heartbeat_age_s: float | None, *, 
 def release_grace_s(settings: Settings) -> float:
     """How long to wait for the broker to drop a dead holder's lock: its AMQP heartbeat timeout (RabbitMQ closes
     a connection after two missed heartbeats) plus the fleet's staleness, with a margin."""
-    return 3 * settings.broker_heartbeat_s + settings.heartbeat_stale_s + 2.0
+    return 3 * settings.broker.heartbeat_s + settings.worker.heartbeat_stale_s + 2.0
 
 
 def process_start(pid: int) -> int | None:
@@ -165,9 +165,9 @@ class DeviceLock:
 
     @classmethod
     def from_settings(cls, settings: Settings, worker_id: str, queue: str, client: redis.Redis) -> DeviceLock:
-        return cls(settings.broker_url, settings.namespace, worker_id, queue, client,
+        return cls(settings.broker.url, settings.broker.namespace, worker_id, queue, client,
                    Fleet.from_settings(settings, client), SharedClock.from_settings(settings, client),
-                   heartbeat_s=settings.broker_heartbeat_s, stale_after_s=settings.heartbeat_stale_s,
+                   heartbeat_s=settings.broker.heartbeat_s, stale_after_s=settings.worker.heartbeat_stale_s,
                    grace_s=release_grace_s(settings))
 
     # -- taking it ---------------------------------------------------------------------------------------

@@ -80,7 +80,7 @@ class WorkerRuntime:
             log.warning("could not remove heartbeat: %s", exc)
 
     def _loop(self) -> None:
-        interval = self.settings.heartbeat_interval_s
+        interval = self.settings.worker.heartbeat_interval_s
         while True:
             try:
                 with self._beating:

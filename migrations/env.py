@@ -7,7 +7,7 @@ from tasks.config import Settings
 from tasks.store.models import Base, make_engine
 
 config = context.config
-url = config.get_main_option("sqlalchemy.url") or Settings.from_env().database_url
+url = config.get_main_option("sqlalchemy.url") or Settings.from_env().stores.database_url
 
 
 target_metadata = Base.metadata

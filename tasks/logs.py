@@ -24,10 +24,10 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(settings: Settings) -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if settings.log_json:
+    if settings.process.log_json:
         handler.setFormatter(JsonFormatter())
     else:
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
     root.handlers[:] = [handler]
-    root.setLevel(settings.log_level.upper())
+    root.setLevel(settings.process.log_level.upper())

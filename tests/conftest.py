@@ -12,7 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from tests.harness.stack import Stack
+from tests.harness.stack import Stack, running_stack
 
 # fixtures of private services: private_redis, own_vhost, private_rabbit, rabbit
 pytest_plugins = ["tests.harness.services"]
@@ -23,16 +23,8 @@ PG_ADMIN = os.environ.get("LLMB_TEST_POSTGRES", "postgresql://postgres@127.0.0.1
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """gunicorn (2 processes), the batcher and two sim workers on two queues."""
-    s = Stack(Path(tmp_path_factory.mktemp("stack")), redis_pool_size=10)
-    try:
-        s.start_worker(0)
-        s.start_worker(1)
-        s.start_batcher()
-        s.start_web()
-        s.wait_ready(workers=2)
+    with running_stack(Path(tmp_path_factory.mktemp("stack")), workers=(0, 1), redis_pool_size=10) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])

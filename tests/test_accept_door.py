@@ -129,7 +129,7 @@ def tenants(tmp_path: Path) -> tuple[KeyStore, TenantDirectory]:
 
 def held_door(verdicts: Verdicts, directory: TenantDirectory, auth: str = "none") -> AcceptDoor:
     door = Door(limit=100, retry_after_s=1, bound=1.0, backlog=worker.backlog)
-    held = HeldFull(verdicts, directory, Settings(auth=auth))  # type: ignore[arg-type]
+    held = HeldFull(verdicts, directory, Settings.of(auth=auth))  # type: ignore[arg-type]
     return AcceptDoor(door, is_inference, held)
 
 

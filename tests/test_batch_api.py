@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from tasks.store.models import RequestRecord, make_engine
 from tests.harness.helpers import expected
-from tests.harness.stack import BROKER_URL, REDIS_URL, Stack, wait_for
+from tests.harness.stack import BROKER_URL, REDIS_URL, Stack, running_stack, wait_for
 
 if os.environ.get("CI"):
     import openai
@@ -35,21 +35,11 @@ POISON = "__poison_line__"
 @pytest.fixture(scope="module")
 def jobs_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = Path(tmp_path_factory.mktemp("batch_api"))
-    s = Stack(tmp, auth="keys", auth_cache_s=0.5, sim_batch_ms=50, sim_raise_on=POISON, files_dir=tmp / "files",
-              jobs_poll_s=0.2, jobs_lease_s=2, jobs_line_timeout_ms=30_000, offline_max_wait_ms=100,
-              sim_lm_speed=20)
-    try:
-        s.start_worker(0)
-        s.start_worker(1, model="slow", sim_batch_ms=1000)
-        s.start_worker(2, backend="sim-lm")
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.start_jobs()
-        s.start_jobs("jobs2")
-        s.wait_ready(workers=3)
+    with running_stack(tmp, workers=[0, (1, {"model": "slow", "sim_batch_ms": 1000}), (2, {"backend": "sim-lm"})],
+                       web_workers=1, jobs=("jobs", "jobs2"), auth="keys", auth_cache_s=0.5, sim_batch_ms=50,
+                       sim_raise_on=POISON, files_dir=tmp / "files", jobs_poll_s=0.2, jobs_lease_s=2,
+                       jobs_line_timeout_ms=30_000, offline_max_wait_ms=100, sim_lm_speed=20) as s:
         yield s
-    finally:
-        s.close()
 
 
 def client(stack: Stack, tenant: str) -> "openai.OpenAI":
@@ -329,10 +319,10 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
     from webapp.jobs import LineRunner
     from webapp.services import Services
 
-    settings = Settings(namespace=f"resend-{uuid.uuid4().hex[:8]}", redis_url=REDIS_URL, broker_url=BROKER_URL,
+    settings = Settings.of(namespace=f"resend-{uuid.uuid4().hex[:8]}", redis_url=REDIS_URL, broker_url=BROKER_URL,
                         database_url=f"sqlite:///{tmp_path / 'llmb.db'}", result_recheck_ms=100,
                         jobs_line_timeout_ms=20_000)
-    Base.metadata.create_all(make_engine(settings.database_url))
+    Base.metadata.create_all(make_engine(settings.stores.database_url))
     services = Services.from_settings(settings)
     gateway = services.gateway
     device = Device(ResultWriter.from_settings(settings, gateway.client))
@@ -377,7 +367,7 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
         assert (third.status_code, third.ran, third.body["output"]) == (200, True, "ran text 3"), third
         assert device.runs == Counter({line(3).request_id: 1})
     finally:
-        gateway.client.delete(*gateway.client.keys(f"{settings.namespace}:*") or ["none"])
+        gateway.client.delete(*gateway.client.keys(f"{settings.broker.namespace}:*") or ["none"])
 
 
 @pytest.mark.fault
@@ -450,34 +440,31 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
     from tests.harness.services import PrivateRedis
 
     private = PrivateRedis().start()
-    s = Stack(tmp_path, redis_url=private.url, auth="keys", auth_cache_s=0.5, heartbeat_interval_s=0.25,
-              files_dir=tmp_path / "files", jobs_poll_s=0.2, jobs_lease_s=2, jobs_line_timeout_ms=30_000,
-              offline_max_wait_ms=100)
     try:
-        s.start_worker(1, model="slow", sim_batch_ms=500)
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.start_jobs()
-        s.wait_ready(workers=1)
-        bob = client(s, "bob")
-        batch = submit(bob, infer_lines([f"restart {i}" for i in range(300)], model="slow"))
-        wait_for(lambda: bob.batches.retrieve(batch.id).request_counts.completed >= 100, 60, "a third done")
-        done_before = set(ledger_runs(s, batch.id))  # lines whose run the ledger has (finished or running)
-        private.kill()
-        private.start()
-        done = finished(bob, batch.id, timeout_s=120)
-        assert done.status == "completed" and done.request_counts.completed == 300, done.request_counts
-        outputs = read(bob, done.output_file_id)
-        assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(300))
-        assert all(x["response"]["body"]["output"] == expected(f"restart {x['custom_id'].split('-')[1]}")
-                   for x in outputs)
-        wait_for(lambda: len(ledger_runs(s, batch.id)) == 300, 30, "every line in the ledger")
-        runs = ledger_runs(s, batch.id)
-        twice = {k for k, n in runs.items() if n > 1}
-        print(f"\nRedis restart mid-job: {len(done_before)} lines in the ledger at the kill, {len(twice)} ran twice")
-        assert not twice & done_before, f"lines already run before the restart ran again: {sorted(twice & done_before)}"
+        with running_stack(tmp_path, workers=[(1, {"model": "slow", "sim_batch_ms": 500})], web_workers=1,
+                           jobs=("jobs",), redis_url=private.url, auth="keys", auth_cache_s=0.5,
+                           heartbeat_interval_s=0.25, files_dir=tmp_path / "files", jobs_poll_s=0.2, jobs_lease_s=2,
+                           jobs_line_timeout_ms=30_000, offline_max_wait_ms=100) as s:
+            bob = client(s, "bob")
+            batch = submit(bob, infer_lines([f"restart {i}" for i in range(300)], model="slow"))
+            wait_for(lambda: bob.batches.retrieve(batch.id).request_counts.completed >= 100, 60, "a third done")
+            done_before = set(ledger_runs(s, batch.id))  # lines whose run the ledger has (finished or running)
+            private.kill()
+            private.start()
+            done = finished(bob, batch.id, timeout_s=120)
+            assert done.status == "completed" and done.request_counts.completed == 300, done.request_counts
+            outputs = read(bob, done.output_file_id)
+            assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(300))
+            assert all(x["response"]["body"]["output"] == expected(f"restart {x['custom_id'].split('-')[1]}")
+                       for x in outputs)
+            wait_for(lambda: len(ledger_runs(s, batch.id)) == 300, 30, "every line in the ledger")
+            runs = ledger_runs(s, batch.id)
+            twice = {k for k, n in runs.items() if n > 1}
+            print(f"\nRedis restart mid-job: {len(done_before)} lines in the ledger at the kill, "
+                  f"{len(twice)} ran twice")
+            assert not twice & done_before, \
+                f"lines already run before the restart ran again: {sorted(twice & done_before)}"
     finally:
-        s.close()
         private.stop()
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.stack import BIN, ROOT, Stack
+from tests.harness.stack import BIN, ROOT, Stack, running_stack
 
 if not os.environ.get("CI"):
     pytest.importorskip("openai", reason="bin/test installs the test extra (the official openai client)")
@@ -67,16 +67,10 @@ def readme_batch_example() -> str:
 @pytest.fixture(scope="module")
 def default_paths_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FolderStack]:
     tmp = Path(tmp_path_factory.mktemp("batch_defaults"))
-    s = FolderStack(tmp, tmp / "run", auth="none")  # bin/run's default: no keys
-    try:
-        s.start_worker(2, backend="sim-lm", sim_lm_speed=20)  # the Procfile's `lm` worker, faster
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.start_jobs()
-        s.wait_ready(workers=1)
+    with running_stack(tmp, workers=[(2, {"backend": "sim-lm", "sim_lm_speed": 20})],  # the Procfile's `lm`, faster
+                       web_workers=1, jobs=("jobs",), factory=FolderStack, cwd=tmp / "run",
+                       auth="none") as s:  # bin/run's default: no keys
         yield s
-    finally:
-        s.close()
 
 
 def test_the_readme_batch_example_runs_as_written_on_the_default_paths(default_paths_stack: FolderStack) -> None:

@@ -21,7 +21,7 @@ import requests
 from sqlalchemy.orm import Session
 
 from tasks.store.models import FileRecord, make_engine
-from tests.harness.stack import Stack
+from tests.harness.stack import Stack, running_stack
 
 if os.environ.get("CI"):
     import openai
@@ -35,13 +35,10 @@ FORM = "multipart/form-data; boundary=B"
 @pytest.fixture(scope="module")
 def files_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = Path(tmp_path_factory.mktemp("batch_files"))
-    s = Stack(tmp, auth="keys", auth_cache_s=0.5, files_dir=tmp / "files", max_file_bytes=MAX_FILE,
-              files_tenant_max_count=3, files_tenant_max_bytes=250_000, files_expire_s=86_400, body_timeout_s=1.5)
-    try:
-        s.start_web(workers=1)
+    with running_stack(tmp, workers=(), batchers=0, web_workers=1, auth="keys", auth_cache_s=0.5,
+                       files_dir=tmp / "files", max_file_bytes=MAX_FILE, files_tenant_max_count=3,
+                       files_tenant_max_bytes=250_000, files_expire_s=86_400, body_timeout_s=1.5) as s:
         yield s
-    finally:
-        s.close()
 
 
 def key(stack: Stack, tenant: str) -> str:

@@ -9,14 +9,7 @@ from tasks.policy.batcher import Batcher
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.wait import WaitPolicy
 from tasks.schema import Batch, InferenceRequest, Item, WorkerInfo
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.fakes import FakeClock
 
 
 def worker(wid: str) -> WorkerInfo:
@@ -27,7 +20,7 @@ def worker(wid: str) -> WorkerInfo:
 class Harness:
     def __init__(self, size: int = 3, wait_s: float = 0.020, workers: int = 1, max_outstanding: int = 2,
                  wait: WaitPolicy | None = None) -> None:
-        self.clock = Clock()
+        self.clock = FakeClock(start=1_000.0)
         self.sent: list[tuple[Batch, str]] = []
         self.acked: list[str] = []
         self.fail_dispatch = False
@@ -43,7 +36,7 @@ class Harness:
 
     def submit(self, rid: str, n_items: int = 1, timeout_s: float = 30.0, tenant: str = "default",
                priority: str = "interactive") -> float | None:
-        now = self.clock.t
+        now = self.clock.now
         request = InferenceRequest(id=rid, tenant=tenant, model="sim",
                                    items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n_items)),
                                    accepted_at=now, deadline=now + timeout_s, reply_to="r", priority=priority)
@@ -64,10 +57,10 @@ def test_wait_trigger_through_poll() -> None:
     h = Harness(size=100, wait_s=0.020)
     delay = h.submit("a")
     assert delay == pytest.approx(0.020)
-    h.clock.t += 0.010
+    h.clock.advance(0.010)
     assert h.batcher.poll() == pytest.approx(0.010)
     assert h.sent == []
-    h.clock.t += 0.010
+    h.clock.advance(0.010)
     assert h.batcher.poll() is None
     assert len(h.sent) == 1 and h.acked == ["a"]
 
@@ -76,7 +69,7 @@ def test_expired_items_never_run_but_their_message_is_acked() -> None:
     h = Harness(size=100)
     h.submit("short", timeout_s=0.005)
     h.submit("long", timeout_s=10)
-    h.clock.t += 0.030
+    h.clock.advance(0.030)
     h.batcher.poll()
     assert [i.request_id for b, _ in h.sent for i in b.items] == ["long"]
     assert sorted(h.acked) == ["long", "short"]
@@ -87,7 +80,7 @@ def test_a_multi_item_message_is_acked_when_its_last_item_is_dispatched() -> Non
     h = Harness(size=3)
     h.submit("big", n_items=5)  # 3 go now, 2 wait
     assert len(h.sent) == 1 and h.acked == []
-    h.clock.t += 0.020
+    h.clock.advance(0.020)
     h.batcher.poll()
     assert len(h.sent) == 2 and h.acked == ["big"]
 
@@ -96,13 +89,13 @@ def test_a_message_of_several_calls_is_acked_once_every_item_of_every_call_is_di
     """A message carries the calls of one round at the door: one ack, after the last of their items is handed on
     (a batcher killed before that leaves the whole message to be redelivered)."""
     h = Harness(size=3)
-    now = h.clock.t
+    now = h.clock.now
     calls = [InferenceRequest(id=rid, tenant="default", model="sim",
                               items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n)),
                               accepted_at=now, deadline=now + 30, reply_to="r") for rid, n in (("x", 2), ("y", 2))]
     assert h.batcher.add_message(calls, lambda: h.acked.append("message")) is not None  # one item left waiting
     assert len(h.sent) == 1 and h.acked == []
-    h.clock.t += 0.020
+    h.clock.advance(0.020)
     h.batcher.poll()
     assert [[i.request_id for i in b.items] for b, _ in h.sent] == [["x", "x", "y"], ["y"]]
     assert h.acked == ["message"]
@@ -133,12 +126,12 @@ def test_no_worker_holds_items_until_one_appears() -> None:
 def test_work_conserving_batches_grow_while_workers_are_busy() -> None:
     h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=1)
     h.submit("first")
-    h.clock.t += 0.020
+    h.clock.advance(0.020)
     h.batcher.poll()
     assert len(h.sent) == 1
     for i in range(150):  # arrive while the only worker is busy
         h.submit(f"r{i}")
-        h.clock.t += 0.001
+        h.clock.advance(0.001)
     h.batcher.poll()
     assert len(h.sent) == 1, "nothing may queue behind a busy worker"
     h.batcher.finished("w0", h.sent[0][0].id, run_s=0.25)
@@ -149,15 +142,15 @@ def test_the_waiting_batch_keeps_filling_until_the_running_one_is_nearly_done() 
     h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=2)
     h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)  # the worker's batch time is known: 250 ms
     h.submit("first")
-    h.clock.t += 0.020
+    h.clock.advance(0.020)
     h.batcher.poll()
     h.batcher.started("w0", h.sent[0][0].id)
     for i in range(40):  # 200 ms of arrivals while the first batch runs
         h.submit(f"r{i}")
-        h.clock.t += 0.005
+        h.clock.advance(0.005)
         h.batcher.poll()
     assert len(h.sent) == 1, "a batch handed over now would stop filling for nothing"
-    h.clock.t += 0.040  # 15 ms before the running batch should end
+    h.clock.advance(0.040)  # 15 ms before the running batch should end
     h.batcher.poll()
     assert [len(b.items) for b, _ in h.sent] == [1, 40]
 
@@ -166,27 +159,27 @@ def one_batch_sent_to_a_250_ms_worker() -> Harness:
     h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=2)
     h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)
     h.submit("first")
-    h.clock.t += 0.020
+    h.clock.advance(0.020)
     h.batcher.poll()
     return h
 
 
 def test_a_started_announcement_counts_from_when_the_batch_started_not_when_it_arrived() -> None:
     h = one_batch_sent_to_a_250_ms_worker()
-    started = h.clock.t
-    h.clock.t += 0.030  # the announcement took 30 ms to get here (a saturated host)
+    started = h.clock.now
+    h.clock.advance(0.030)  # the announcement took 30 ms to get here (a saturated host)
     h.batcher.started("w0", h.sent[0][0].id, at=started)
     h.submit("next")
-    h.clock.t = started + 0.250 - 0.015  # the lead before the batch's real end
+    h.clock.now = started + 0.250 - 0.015  # the lead before the batch's real end
     h.batcher.poll()
     assert [len(b.items) for b, _ in h.sent] == [1, 1], "dated by its arrival, it would go out 30 ms late"
 
 
 def test_an_announcement_dated_far_back_is_believed_only_so_far() -> None:
     h = one_batch_sent_to_a_250_ms_worker()
-    h.batcher.started("w0", h.sent[0][0].id, at=h.clock.t - 60)  # a clock that jumped
+    h.batcher.started("w0", h.sent[0][0].id, at=h.clock.now - 60)  # a clock that jumped
     h.submit("next")
-    h.clock.t += 0.050
+    h.clock.advance(0.050)
     h.batcher.poll()
     assert len(h.sent) == 1, "a running batch must not look finished from a wrong date"
 
@@ -213,7 +206,7 @@ def test_items_that_cannot_finish_in_time_on_the_chosen_worker_are_dropped() -> 
     h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)  # batches take 250 ms on w0
     h.submit("doomed", timeout_s=0.200)  # would still be running at its deadline
     h.submit("fine", timeout_s=1.0)
-    h.clock.t += 0.020
+    h.clock.advance(0.020)
     h.batcher.poll()
     assert [i.request_id for b, _ in h.sent for i in b.items] == ["fine"]
     assert sorted(h.acked) == ["doomed", "fine"]
@@ -244,7 +237,7 @@ def test_adaptive_wait_leaves_at_once_for_a_free_device_and_thin_traffic() -> No
     h = Harness(size=100, wait=WaitPolicy("adaptive", fixed_s=0.020, min_s=0.001, max_s=0.050))
     delay = h.submit("a")
     assert delay == pytest.approx(0.001)
-    h.clock.t += 0.001
+    h.clock.advance(0.001)
     h.batcher.poll()
     assert len(h.sent) == 1
 
@@ -308,7 +301,7 @@ def test_a_worker_nobody_consumes_gets_no_batch_until_its_queue_has_a_consumer()
 
     ns = f"t{uuid.uuid4().hex[:10]}"
     h = Harness(size=1, workers=1)
-    h.workers = [replace(worker("w0"), queue=f"{ns}.gpu.w0", heartbeat_at=h.clock.t)]
+    h.workers = [replace(worker("w0"), queue=f"{ns}.gpu.w0", heartbeat_at=h.clock.now)]
     client = redis.Redis.from_url(REDIS_URL)
     fleet = Fleet(client, f"{ns}:fleet", 3.0)
     fleet.beat(h.workers[0])
@@ -322,12 +315,12 @@ def test_a_worker_nobody_consumes_gets_no_batch_until_its_queue_has_a_consumer()
         try:
             h.submit("a")
             assert [w for _, w in h.sent] == ["w0"]
-            assert recovery.check(h.clock.t) == ["w0"]  # busy, its queue unconsumed: taken back
+            assert recovery.check(h.clock.now) == ["w0"]  # busy, its queue unconsumed: taken back
             assert recovery.routable(h.workers) == []
             fleet.beat(h.workers[0])  # its heartbeat goes on
-            assert recovery.check(h.clock.t) == [] and recovery.routable(h.workers) == []
+            assert recovery.check(h.clock.now) == [] and recovery.routable(h.workers) == []
             tag = channel.basic_consume(h.workers[0].queue, callback=lambda message: None)  # its consumer is back
-            assert recovery.check(h.clock.t) == [] and recovery.routable(h.workers) == h.workers
+            assert recovery.check(h.clock.now) == [] and recovery.routable(h.workers) == h.workers
         finally:
             if tag is not None:
                 channel.basic_cancel(tag)
@@ -342,14 +335,14 @@ def test_generation_requests_are_shared_by_tokens_and_corrected_by_what_they_too
     tenant gets several times the requests; when the long tenant's answers turn out short, its refund buys it
     more of the next batch."""
     h = Harness(size=12, workers=1, max_outstanding=1)
-    now = h.clock.t
+    now = h.clock.now
 
     def send(rid: str, tenant: str, chars: int) -> None:
         request = InferenceRequest(id=rid, tenant=tenant, model="sim", items=(Item(f"{rid}.0", "x" * chars),),
                                    accepted_at=now, deadline=now + 30, reply_to="r", params={"max_tokens": 100})
         h.batcher.add(request, lambda: None)
 
-    h.batcher.scheduler.sent("w0", "busy", h.clock.t)  # the worker is busy: requests accumulate
+    h.batcher.scheduler.sent("w0", "busy", h.clock.now)  # the worker is busy: requests accumulate
     for k in range(60):
         send(f"long{k}", "long", 2000)
         send(f"short{k}", "short", 40)

@@ -17,7 +17,7 @@ import redis
 
 from tasks.state.clock import SharedClock
 from tests.harness.helpers import assert_json_error, expected, post, post_many
-from tests.harness.stack import REDIS_URL, Stack, free_port, wait_for
+from tests.harness.stack import REDIS_URL, Stack, free_port, running_stack, wait_for
 
 
 def redis_now(client: redis.Redis) -> float:
@@ -50,15 +50,13 @@ def test_while_redis_is_away_the_last_offset_holds_and_it_is_measured_again_late
 
 @pytest.fixture(scope="module")
 def skewed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("skewed")))
-    try:
+    with running_stack(Path(tmp_path_factory.mktemp("skewed")), workers=(), batchers=0, web_workers=None,
+                       ready=False) as s:
         s.start_worker(0, clock_skew_s=-30)
         s.start_batcher(clock_skew_s=30)
         s.start_web(workers=1, clock_skew_s=7)
         s.wait_ready(workers=1)
         yield s
-    finally:
-        s.close()
 
 
 def test_with_every_host_on_its_own_clock_requests_are_served_and_deadlines_hold(skewed: Stack) -> None:

@@ -18,7 +18,7 @@ import pytest
 
 from tests.harness import pooled
 from tests.harness.services import Vhost
-from tests.harness.stack import Stack
+from tests.harness.stack import Stack, running_stack
 
 GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -26,15 +26,8 @@ GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 @pytest.fixture(scope="module")
 def defaults(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The web API at its shipped connection settings (keep-alive 75 s, header timeout 10 s)."""
-    s = Stack(Path(tmp_path_factory.mktemp("connections")), sim_batch_ms=20)
-    try:
-        s.start_worker(0)
-        s.start_batcher()
-        s.start_web()
-        s.wait_ready(workers=1)
+    with running_stack(Path(tmp_path_factory.mktemp("connections")), sim_batch_ms=20) as s:
         yield s
-    finally:
-        s.close()
 
 
 def _connect(stack: Stack) -> socket.socket:
@@ -161,8 +154,7 @@ def test_one_pooled_session_a_flood_beside_a_steady_tenant_sees_no_connection_er
     """One aiohttp session (a web backend's pool) for two tenants, keys on, one 250 ms sim worker (400/s): B
     sends 20 calls/s while A sends 5,000 at once. Every call gets an HTTP answer in JSON (old main: 21 of B's
     200 got connection errors); B's are 200 but for a rare one at the flood's onset."""
-    stack = pooled.keyed_stack(tmp_path)
-    try:
+    with pooled.keyed_stack(tmp_path) as stack:
         a, b = pooled.key(stack, "a"), pooled.key(stack, "b")
 
         async def run() -> tuple[list[pooled.Call], list[pooled.Call]]:
@@ -175,8 +167,6 @@ def test_one_pooled_session_a_flood_beside_a_steady_tenant_sees_no_connection_er
 
         b_calls, a_calls = asyncio.run(run())
         log = stack.log("web")
-    finally:
-        stack.close()
     for name, calls in (("B", b_calls), ("A", a_calls)):
         report = pooled.summary(calls)
         assert report["connection_errors"] == 0, (name, report)
@@ -194,14 +184,11 @@ def test_a_burst_is_absorbed_in_arrival_order(tmp_path: Path) -> None:
     answered (not every call refused because the process fell behind: its delay counts from when a request's
     bytes came, not from a busy client's connect), each answer within its deadline plus a second, hardly any
     admitted call left to time out, every other answer a JSON error, and nobody gets a connection error."""
-    stack = pooled.keyed_stack(tmp_path)
-    try:
+    with pooled.keyed_stack(tmp_path) as stack:
         key = pooled.key(stack, "a")
         # measured before its first call (a full warm-up batch): admission's deadline cap holds from the start
         assert all(w["batch_ms_estimate"] > 0 for w in stack.fleet().values()), stack.fleet()
         calls = asyncio.run(pooled.burst(stack.url, 3000, "a", key=key, timeout_ms=5000))
-    finally:
-        stack.close()
     report = pooled.summary(calls)
     assert report["connection_errors"] == 0 and report["not_json"] == 0 and report["wrong_output"] == 0, report
     assert report["statuses"].get(200, 0) >= 200, report  # (old main: 0-152 of 3,000, every other call 429)
@@ -220,8 +207,7 @@ def test_every_broker_connection_closed_twice_a_pooled_caller_is_answered_within
     down; none is admitted to time out and nobody sees a connection error. Before the prefetch reduction was
     turned off, a GPU worker could sit ~3 s after its reconnect without taking a batch until RabbitMQ closed
     its new connection for missed heartbeats (2 of 6 runs: 18-78 calls 504)."""
-    stack = pooled.keyed_stack(tmp_path, broker_url=own_vhost.url)
-    try:
+    with pooled.keyed_stack(tmp_path, broker_url=own_vhost.url) as stack:
         key = pooled.key(stack, "cut")
 
         async def run() -> list[pooled.Call]:
@@ -234,8 +220,6 @@ def test_every_broker_connection_closed_twice_a_pooled_caller_is_answered_within
                 return await load
 
         calls = asyncio.run(run())
-    finally:
-        stack.close()
     report = pooled.summary(calls)
     assert report["connection_errors"] == 0 and report["not_json"] == 0 and report["wrong_output"] == 0, report
     assert set(report["statuses"]) <= {200, 503}, report

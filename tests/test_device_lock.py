@@ -14,7 +14,7 @@ from kombu import Connection
 
 from gpu_worker.device_lock import Holder, holder_looks_alive, process_start
 from gpu_worker.supervisor import DEVICE_TAKEN
-from tests.harness.stack import Stack, alive, wait_for
+from tests.harness.stack import Stack, alive, running_stack, wait_for
 from tests.test_supervisor import fresh_heartbeat_after
 
 HERE = socket.gethostname()
@@ -62,8 +62,7 @@ def hold_lock(stack: Stack, worker_id: str = "gpu0@test") -> Connection:
 def test_a_lock_held_for_a_dead_process_is_waited_for_not_refused(tmp_path: Path) -> None:
     """The broker has not yet dropped the connection of a holder that is gone (a host that vanished): the new
     worker waits for the lock instead of refusing for good, and starts once it is released."""
-    stack = Stack(tmp_path)
-    try:
+    with running_stack(tmp_path, workers=(), batchers=0, web_workers=None, ready=False) as stack:
         gone = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
         gone_start = process_start(gone.pid)
         gone.kill()
@@ -78,15 +77,12 @@ def test_a_lock_held_for_a_dead_process_is_waited_for_not_refused(tmp_path: Path
         conn.release()  # the broker drops the dead holder's connection
         wait_for(lambda: fresh_heartbeat_after(stack, since), 30, "a heartbeat once the lock was released")
         assert worker.poll() is None and alive(stack.worker_child(0))
-    finally:
-        stack.close()
 
 
 def test_a_lock_held_by_a_live_process_refuses_even_without_its_heartbeat(tmp_path: Path) -> None:
     """A holder on this host whose process runs (here: this test) holds the device even before its first
     heartbeat (a worker still loading its model)."""
-    stack = Stack(tmp_path)
-    try:
+    with running_stack(tmp_path, workers=(), batchers=0, web_workers=None, ready=False) as stack:
         conn = hold_lock(stack)
         stack.redis.set(f"{stack.namespace}:device:gpu0@test",
                         holder(pid=os.getpid(), process_start=process_start(os.getpid())).to_json())
@@ -95,5 +91,3 @@ def test_a_lock_held_by_a_live_process_refuses_even_without_its_heartbeat(tmp_pa
         assert f"held by pid {os.getpid()} on host {HERE}" in stack.log("gpu0")
         assert "gpu0@test" not in stack.fleet(), "the refused worker wrote a heartbeat"
         conn.release()
-    finally:
-        stack.close()

@@ -1,8 +1,8 @@
 """Fault injection under steady load: every process type killed (SIGKILL) or stopped (SIGTERM) mid-flight.
 
 The real system (gunicorn with 2 processes, the batcher, 2 sim workers under their supervisors) runs at a
-steady open-loop load (tests/loadgen.py) while one process is signalled. Each test then checks the design's
-invariants (docs/design.md, "Failure behaviour") as a caller sees them:
+steady open-loop load (tests/harness/loadgen.py) while one process is signalled. Each test then checks the
+design's invariants (docs/design.md, "Failure behaviour") as a caller sees them:
 
 - every request gets exactly one answer: its own output (200) or a clear JSON error; nobody waits past
   deadline + 1 s; no output reaches the wrong caller;
@@ -21,6 +21,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ import requests
 
 from tests.harness.helpers import assert_json_error, expected, post
 from tests.harness.loadgen import LoadReport, SteadyLoad, carry_on, warm
-from tests.harness.stack import Stack, alive, wait_for
+from tests.harness.stack import Stack, alive, running_stack, wait_for
 
 pytestmark = pytest.mark.fault
 
@@ -42,18 +43,13 @@ Steady = Callable[..., SteadyLoad]
 
 
 # -- the system ----------------------------------------------------------------------------------------
-def start(tmp: Path, workers: int = 2, **env: object) -> Stack:
-    s = Stack(tmp, **{**SETTINGS, **env})
-    try:
-        for n in range(workers):
-            s.start_worker(n)
-        s.start_batcher()
-        s.start_web(workers=2)
+@contextmanager
+def started(tmp: Path, workers: int = 2, **env: object) -> Iterator[Stack]:
+    """The stack these tests run: ``workers`` sim workers, the batcher, gunicorn with 2 processes, all serving."""
+    with running_stack(tmp, workers=tuple(range(workers)), web_workers=2, ready=False,
+                       **{**SETTINGS, **env}) as s:
         whole(s, workers)
-    except BaseException:
-        s.close()
-        raise
-    return s
+        yield s
 
 
 def whole(s: Stack, workers: int = 2) -> None:
@@ -68,15 +64,23 @@ def restore(s: Stack) -> None:
 
 
 _shared: dict[str, Stack] = {}
+_running = ExitStack()  # stops the shared stack now in _shared
+
+
+def share(tmp: Path) -> None:
+    """Stop the shared stack (if there is one) and start a fresh one in its place."""
+    _running.close()
+    _shared["stack"] = _running.enter_context(started(tmp))
 
 
 @pytest.fixture(scope="module")
 def _module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Stack]]:
-    _shared["stack"] = start(Path(tmp_path_factory.mktemp("faults")))
     try:
+        share(Path(tmp_path_factory.mktemp("faults")))
         yield _shared
     finally:
-        _shared.pop("stack").close()
+        _running.close()
+        _shared.pop("stack", None)
 
 
 @pytest.fixture
@@ -85,18 +89,19 @@ def stack(_module_stack: dict[str, Stack], tmp_path_factory: pytest.TempPathFact
     try:
         restore(_module_stack["stack"])
     except Exception:
-        _module_stack["stack"].close()
-        _module_stack["stack"] = start(Path(tmp_path_factory.mktemp("faults")))
+        share(Path(tmp_path_factory.mktemp("faults")))
     yield _module_stack["stack"]
 
 
+OwnStack = Callable[..., Stack]
+
+
 @pytest.fixture
-def own_stack(tmp_path: Path) -> Iterator[list[Stack]]:
-    """A stack for one test only (its settings are its own); the test starts it and puts it in the list."""
-    holder: list[Stack] = []
-    yield holder
-    for s in holder:
-        s.close()
+def own_stack(tmp_path: Path) -> Iterator[OwnStack]:
+    """A stack for one test only: ``own_stack(**settings)`` starts it with its own settings; it is stopped after
+    the test (and after the test's load)."""
+    with ExitStack() as stacks:
+        yield lambda **env: stacks.enter_context(started(tmp_path, **env))
 
 
 # -- the load ------------------------------------------------------------------------------------------
@@ -150,12 +155,10 @@ def early_in_a_batch(s: Stack, device: int) -> None:
 
 
 # -- API processes -------------------------------------------------------------------------------------
-def test_sigkill_of_an_api_worker_process_releases_what_its_callers_held(own_stack: list[Stack], steady: Steady,
-                                                                        tmp_path: Path) -> None:
+def test_sigkill_of_an_api_worker_process_releases_what_its_callers_held(own_stack: OwnStack, steady: Steady) -> None:
     """Callers on the killed process lose their connection (allowed, counted); everyone else is served, and
     the admission capacity the dead process's callers held is released at once, not at their deadlines."""
-    s = start(tmp_path)
-    own_stack.append(s)
+    s = own_stack()
     load = steady(s.url, timeout_ms=60_000, prefix="api-kill")
     warm(load)
     victim = s.web_workers()[0]
@@ -341,11 +344,10 @@ def test_sigkill_of_a_supervisor_only_does_not_leave_its_worker_orphaned(steady:
 
 
 # -- one batch, one request ----------------------------------------------------------------------------
-def test_a_lone_batch_whose_worker_dies_is_rerun_not_quarantined(own_stack: list[Stack], tmp_path: Path) -> None:
+def test_a_lone_batch_whose_worker_dies_is_rerun_not_quarantined(own_stack: OwnStack) -> None:
     """One request, nothing else: its worker is SIGKILLed (process group, a lost host) while running it. A
     death is not a verdict: the request is re-run by the other worker (200), and its input not quarantined."""
-    s = start(tmp_path, sim_batch_ms=2000)
-    own_stack.append(s)
+    s = own_stack(sim_batch_ms=2000)
     text = f"lone {uuid.uuid4().hex}"
     answer: list[requests.Response | BaseException] = []
 

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from tasks.errors import PayloadTooLarge
 from tasks.store.files import FileStore, QuotaExceeded
 from tasks.store.models import Base, FileRecord, make_engine
+from tests.fakes import FakeClock
 
 
 @pytest.fixture
@@ -55,10 +56,10 @@ def test_a_tenant_holds_at_most_its_quota_of_files_and_bytes(store: FileStore) -
 
 
 def test_expired_files_are_not_found_not_listed_and_not_counted(store: FileStore) -> None:
-    now = [time.time()]
-    store.clock = lambda: now[0]
+    clock = FakeClock(start=time.time())
+    store.clock = clock
     short, long = save(store, "a", 500), save(store, "a", 400, expires_s=7200)
-    now[0] += 3601
+    clock.advance(3601)
     assert store.get("a", short) is None and store.get("a", long) is not None
     assert [f.id for f in store.page("a")[0]] == [long] and store.usage("a").bytes == 400
     assert save(store, "a", 500), "the expired file's bytes no longer count"

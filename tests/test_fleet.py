@@ -20,26 +20,19 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from tasks.store.models import BatchRecord, QuarantineRecord, RequestRecord, make_engine
+from tests.fakes import FakeClock
 from tests.harness.helpers import assert_json_error, expected, post
-from tests.harness.stack import Stack, wait_for
+from tests.harness.stack import Stack, running_stack, wait_for
 
 RAISE, KILL = "__raise_here__", "__kill_here__"
 
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("fleet")), sim_batch_ms=500, wait_mode="fixed", max_wait_ms=1500,
-              heartbeat_interval_s=0.25, heartbeat_stale_factor=4, sim_raise_on=RAISE, sim_kill_on=KILL,
-              store_inputs="true")
-    try:
-        for n in range(3):
-            s.start_worker(n)
-        s.start_batcher()
-        s.start_web()
-        s.wait_ready(workers=3)
+    with running_stack(Path(tmp_path_factory.mktemp("fleet")), workers=(0, 1, 2), sim_batch_ms=500,
+                       wait_mode="fixed", max_wait_ms=1500, heartbeat_interval_s=0.25, heartbeat_stale_factor=4,
+                       sim_raise_on=RAISE, sim_kill_on=KILL, store_inputs="true") as s:
         yield s
-    finally:
-        s.close()
 
 
 def send(stack: Stack, texts: list[str], timeout_ms: int = 120_000) -> list[Future[requests.Response]]:
@@ -192,13 +185,8 @@ def test_admin_cli_against_the_running_system(fleet: Stack) -> None:
 
 
 def test_a_worker_twice_as_slow_gets_about_half_the_batches(tmp_path: Path) -> None:
-    s = Stack(tmp_path, heartbeat_interval_s=0.25)
-    try:
-        s.start_worker(0, sim_batch_ms=200)
-        s.start_worker(1, sim_batch_ms=400)
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=2)
+    with running_stack(tmp_path, workers=[(0, {"sim_batch_ms": 200}), (1, {"sim_batch_ms": 400})], web_workers=1,
+                       heartbeat_interval_s=0.25) as s:
         deadline = time.monotonic() + 8
         texts = [f"load {k}" for k in range(100)]
 
@@ -213,20 +201,14 @@ def test_a_worker_twice_as_slow_gets_about_half_the_batches(tmp_path: Path) -> N
         done = {w: hb["completed"] for w, hb in s.fleet().items()}
         fast, slow = done["gpu0@test"], done["gpu1@test"]
         assert fast > 10 and 0.35 <= slow / fast <= 0.65, done
-    finally:
-        s.close()
 
 
 def test_a_stopping_worker_hands_back_its_prefetched_batch_and_finishes_the_running_one(tmp_path: Path) -> None:
     """SIGTERM (a scale-down, a rollout): the running batch finishes there, the one waiting in its queue goes
     to the other worker, nobody is blamed and nobody waits past the batch times."""
-    s = Stack(tmp_path, sim_batch_ms=1500, heartbeat_interval_s=0.25, heartbeat_stale_factor=4,
-              dispatch_lead_ms=60_000, wait_mode="fixed", max_wait_ms=50)
-    try:
-        s.start_worker(0, sim_batch_ms=8000)  # long enough for gpu1 to start while it runs
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=1)
+    with running_stack(tmp_path, workers=[(0, {"sim_batch_ms": 8000})],  # long enough for gpu1 to start while it runs
+                       web_workers=1, sim_batch_ms=1500, heartbeat_interval_s=0.25, heartbeat_stale_factor=4,
+                       dispatch_lead_ms=60_000, wait_mode="fixed", max_wait_ms=50) as s:
         first = send(s, [f"first {uuid.uuid4().hex}" for _ in range(1)])
         wait_for(lambda: s.fleet()["gpu0@test"]["state"] == "busy", 20, "the first batch to start")
         texts = [f"second {uuid.uuid4().hex}" for _ in range(5)]
@@ -242,15 +224,13 @@ def test_a_stopping_worker_hands_back_its_prefetched_batch_and_finishes_the_runn
             assert r.json()["output"] == expected(text)
         assert "handing it back unstarted" in s.log("gpu0") or "handed back" in s.log("gpu0")
         assert not json.loads(s.admin("quarantine", "list", "--json").stdout)
-    finally:
-        s.close()
 
 
 def test_a_workers_busy_fraction_counts_batches_running_at_once_once() -> None:
     """Continuous batching runs several batches at once: the device is busy while any runs, not their sum."""
-    from gpu_worker.runner import WorkerState
+    from gpu_worker.worker_state import WorkerState
 
-    state = WorkerState(window_s=60.0, clock=lambda: 0.0)
+    state = WorkerState(window_s=60.0, clock=FakeClock(start=0.0))
     state.add_work(10.0, 100, now=10.0)  # ran 0..10
     state.add_work(5.0, 100, now=10.0)   # ran 5..10, beside it
     state.add_work(4.0, 100, now=30.0)   # ran 26..30

@@ -31,8 +31,9 @@ from tasks.policy.refusal import FULL_HOLD_S
 from tasks.schema import Priority
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
+from tests.fakes import FakeClock
 from tests.harness.helpers import assert_json_error, expected, post
-from tests.harness.stack import ROOT, Stack, wait_for
+from tests.harness.stack import ROOT, Stack, running_stack, wait_for
 from webapp import create_app
 from webapp.body import parse_json
 from webapp.services import services
@@ -240,15 +241,8 @@ def test_gunicorn_holds_a_share_of_both_caps_per_worker_plus_a_margin() -> None:
 # -- real gunicorn -----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def door_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("door")), body_timeout_s=1, sim_batch_ms=20)
-    try:
-        s.start_worker(0)
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=1)
+    with running_stack(Path(tmp_path_factory.mktemp("door")), web_workers=1, body_timeout_s=1, sim_batch_ms=20) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_through_gunicorn_hostile_bodies_get_clean_json_and_odd_text_still_works(door_stack: Stack) -> None:
@@ -336,15 +330,11 @@ def test_the_door_holds_3000_connections_and_refuses_past_its_share_at_once(tmp_
     if soft < total + 500:
         resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, total * 2), hard))
     # (the delay rule off: this test is about the share; 3,000 connections at once put a process seconds behind)
-    stack = Stack(tmp_path, admission_cap=1000, offline_admission_cap=500, body_timeout_s=40,
-                  door_max_delay_ms=600_000)
-    try:
-        url = stack.start_web(workers=1)
-        host, port = url.removeprefix("http://").split(":")
+    with running_stack(tmp_path, workers=(), batchers=0, web_workers=1, admission_cap=1000,
+                       offline_admission_cap=500, body_timeout_s=40, door_max_delay_ms=600_000) as stack:
+        host, port = stack.url.removeprefix("http://").split(":")
         results = asyncio.run(_hold_connections(host, int(port), total, share))
         log = stack.log("web")
-    finally:
-        stack.close()
     errors = [r for r in results if isinstance(r, BaseException)]
     assert not errors, f"{len(errors)} connections failed, e.g. {errors[:3]}"
     early = [r for r in results if not isinstance(r, BaseException) and r[0]]
@@ -400,8 +390,7 @@ def test_a_request_the_process_got_to_too_late_is_refused_before_anything_else()
     from tasks.errors import Overloaded
     from tasks.policy.shedding import Door
 
-    now = [100.0]
-    door = Door(limit=10, retry_after_s=1, bound=1.0, clock=lambda: now[0])
+    door = Door(limit=10, retry_after_s=1, bound=1.0, clock=FakeClock(start=100.0))
     door.enter(arrived_at=99.5)
     with pytest.raises(Overloaded) as refused:
         door.enter(arrived_at=98.0)

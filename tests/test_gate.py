@@ -8,6 +8,7 @@ import pytest
 from tasks.errors import Overloaded
 from tasks.gateway.gate import Gate
 from tasks.policy.shedding import Door
+from tests.fakes import FakeClock
 
 
 def wait(gate: Gate, n: int, since: float) -> None:
@@ -15,21 +16,13 @@ def wait(gate: Gate, n: int, since: float) -> None:
     gate._since.update((object(), since) for _ in range(n))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_the_drain_rate_is_measured_and_gives_the_expected_wait_and_retry_after() -> None:
-    clock = Clock()
+    clock = FakeClock(start=100.0)
     gate = Gate(slots=2, max_wait_s=1.0, clock=clock)
     assert gate.expected_wait_s() == 0.0 and gate.retry_after_s() == 1  # nothing measured, nothing waiting
     for _ in range(50):  # each call holds its slot 20 ms: two slots drain 100 calls a second
         with gate.passage():
-            clock.now += 0.02
+            clock.advance(0.02)
     assert gate.drain_rate() == pytest.approx(100)
     wait(gate, 300, since=clock.now)
     assert gate.expected_wait_s() == pytest.approx(3.0)
@@ -48,7 +41,7 @@ def test_a_call_that_waits_too_long_for_its_turn_is_refused() -> None:
 
 
 def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_time() -> None:
-    clock = Clock()
+    clock = FakeClock(start=100.0)
     gate = Gate(slots=4, max_wait_s=1.0, clock=clock)
     door = Door(limit=100, retry_after_s=1, bound=1.0, clock=clock, gate=gate)
     door.enter(clock.now)
@@ -67,10 +60,10 @@ def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_
 
 
 def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
-    clock = Clock()
+    clock = FakeClock(start=100.0)
     door = Door(limit=10_000, retry_after_s=1, bound=1.0, clock=clock)
     for i in range(500):
-        clock.now += 0.002  # the flood: 500 a second
+        clock.advance(0.002)  # the flood: 500 a second
         door.enter(clock.now, "flood")
         if i % 100 == 0:
             door.enter(clock.now, "steady")  # 5 a second
@@ -87,15 +80,15 @@ def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
 def test_recent_callers_forget_after_their_window() -> None:
     from tasks.policy.callers import RecentCallers
 
-    clock = Clock()
+    clock = FakeClock(start=100.0)
     callers = RecentCallers(clock)
     for _ in range(100):
         callers.arrived("a")
     callers.arrived("b")
     assert callers.light("b") and not callers.light("a")
-    clock.now += 5
+    clock.advance(5)
     assert callers.light("b")  # the last five seconds still count (a flood's backlog drains for a while)
-    clock.now += 1.5
+    clock.advance(1.5)
     callers.arrived("b")
     assert not callers.light("b")  # "a" is forgotten: "b" alone
 

@@ -1,10 +1,10 @@
-"""The system as separate hosts (network namespaces, tests/netns.py), and cables pulled under load.
+"""The system as separate hosts (network namespaces, tests/harness/netns/), and cables pulled under load.
 
 One harness per module (RabbitMQ in a namespace takes ~8 s to start): svc (RabbitMQ + Redis), api, api2,
 batcher1, batcher2, gpu1, gpu2, each a namespace of its own on one bridge, the load sent from a client host.
 Each test starts from the whole system (links up, every process running and serving) and checks, as callers
 see it: nothing lost, nothing answered twice or with someone else's output, nobody waiting past deadline + 1 s
-(tests/loadgen.py), except where a scenario says which callers may lose their connection.
+(tests/harness/loadgen.py), except where a scenario says which callers may lose their connection.
 
 Product settings are the shipped defaults (heartbeats every 1 s, stale after 3 s; AMQP heartbeat
 LLMB_BROKER_HEARTBEAT_S 2 s; API lease 5 s), with 300 ms sim batches. Run with ``-s`` to see the measurements.

@@ -10,26 +10,27 @@ import threading
 import time
 import tracemalloc
 from collections import Counter
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 from sqlalchemy.orm import Session
 
-from tasks.broker.jobs import Feeder, JobRun, LineResult
 from tasks.config import Settings
+from tasks.jobs.feeder import Feeder
+from tasks.jobs.job_run import JobRun, LineResult
 from tasks.policy.feeding import MAX_LINE_ATTEMPTS, FeedControl
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
 from tasks.store.models import Base, FileRecord, make_engine
+from tests.fakes import FakeClock
 from tests.harness.stack import wait_for
 
-SETTINGS = Settings(jobs_poll_s=0.02, jobs_lease_s=1.0, jobs_initial_in_flight=4, jobs_max_in_flight=50)
+SETTINGS = Settings.of(jobs_poll_s=0.02, jobs_lease_s=1.0, jobs_initial_in_flight=4, jobs_max_in_flight=50)
 
 
 def fast_control(settings: Settings) -> FeedControl:
-    return FeedControl(initial=settings.jobs_initial_in_flight, ceiling=settings.jobs_max_in_flight,
+    return FeedControl(initial=settings.jobs.initial_in_flight, ceiling=settings.jobs.max_in_flight,
                        first_backoff_s=0.001, max_backoff_s=0.005)
 
 
@@ -122,7 +123,7 @@ def test_a_job_past_its_window_expires_with_its_unrun_lines_in_the_error_file(st
 
         from tasks.store.models import BatchJobRecord
         conn.execute(update(BatchJobRecord).where(BatchJobRecord.id == job.id).values(expires_at=time.time() + 0.3))
-    run_until(feeder(stores, Runner(delay_s=0.05), settings=Settings(
+    run_until(feeder(stores, Runner(delay_s=0.05), settings=Settings.of(
         jobs_poll_s=0.02, jobs_lease_s=1.0, jobs_initial_in_flight=1, jobs_max_in_flight=1)),
         lambda: stores[0].status(job.id) == "expired")
     done = stores[0].get(job.id)
@@ -197,9 +198,9 @@ def test_a_free_slot_goes_to_the_tenant_running_fewest_jobs_in_any_process(db_st
     b_job = new_job(db_stores, 5, tenant="b")
     release = threading.Event()
     runner = Runner(lambda line, n: (release.wait(20), LineResult(200, {"output": "x"}))[1])
-    settings = replace(SETTINGS, jobs_max_active=2)
+    settings = SETTINGS.but(jobs_max_active=2)
     first = feeder(db_stores, runner, settings=settings, owner="first")
-    second = feeder(db_stores, runner, settings=replace(SETTINGS, jobs_max_active=1), owner="second")
+    second = feeder(db_stores, runner, settings=SETTINGS.but(jobs_max_active=1), owner="second")
     stop = threading.Event()
     threads = [threading.Thread(target=first.run, args=(stop,), daemon=True)]
     threads[0].start()
@@ -246,27 +247,27 @@ def test_llmb_jobs_deletes_expired_files_and_what_killed_uploads_left(tmp_path: 
     bytes and its row; a temporary file older than an hour (a write killed mid-way) goes too, a fresh one stays."""
     engine = make_engine(f"sqlite:///{tmp_path / 'jobs.db'}")
     Base.metadata.create_all(engine)
-    now = [time.time()]
-    files = FileStore(engine, tmp_path / "files", clock=lambda: now[0], expire_s=3600)
+    clock = FakeClock(start=time.time())
+    files = FileStore(engine, tmp_path / "files", clock=clock, expire_s=3600)
     soon = files.save("t", "batch", "a.jsonl", io.BytesIO(b"{}\n"), 100)
     later = files.save("t", "batch", "b.jsonl", io.BytesIO(b"{}\n"), 100, expires_s=7200)
-    assert soon.expires_at is not None and soon.expires_at.timestamp() == pytest.approx(now[0] + 3600, abs=1)
+    assert soon.expires_at is not None and soon.expires_at.timestamp() == pytest.approx(clock.now + 3600, abs=1)
     stale, fresh = files.root / ".upload-stale", files.root / ".upload-fresh"
     stale.write_bytes(b"cut off")
     fresh.write_bytes(b"being written")
     os.utime(stale, (time.time() - 7200, time.time() - 7200))
-    now[0] += 3601
+    clock.advance(3601)
     assert files.get("t", soon.id) is None and [x.id for x in files.page("t")[0]] == [later.id]
     assert files.path(soon.id).exists(), "not yet deleted: not found, though"
-    f = Feeder(JobStore(engine), files, Runner(), replace(SETTINGS, files_cleanup_s=7200), clock=lambda: now[0])
+    f = Feeder(JobStore(engine), files, Runner(), SETTINGS.but(files_cleanup_s=7200), clock=clock)
     f.tick()
     assert not files.path(soon.id).exists() and not stale.exists()
     assert files.path(later.id).exists() and fresh.exists()
     with Session(engine) as session:
         assert session.get(FileRecord, soon.id) is None and session.get(FileRecord, later.id) is not None
-    now[0] += 3600  # b expired, but the last clean-up was an hour ago
+    clock.advance(3600)  # b expired, but the last clean-up was an hour ago
     f.tick()
     assert files.get("t", later.id) is None and files.path(later.id).exists(), "LLMB_FILES_CLEANUP_S apart"
-    now[0] += 3600
+    clock.advance(3600)
     f.tick()
     assert not files.path(later.id).exists()

@@ -26,27 +26,14 @@ from tasks.policy.batchfile import (
     response_line,
 )
 from tasks.policy.feeding import (
-    EARLIER_GRACE_S,
     MAX_LINE_ATTEMPTS,
     FeedControl,
     Verdict,
     gives_up,
     pick_jobs,
     verdict,
-    waits_for_earlier,
 )
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, s: float) -> float:
-        self.now += s
-        return self.now
+from tests.fakes import FakeClock
 
 
 def test_the_window_starts_small_and_doubles_every_round_trip_while_answers_are_prompt() -> None:
@@ -80,7 +67,7 @@ def test_it_stops_growing_once_lines_queue_behind_each_other() -> None:
 
 
 def test_a_refusal_halves_the_window_once_and_pauses_for_retry_after() -> None:
-    clock = Clock()
+    clock = FakeClock(start=1000.0)
     c = FeedControl(initial=64)
     sent = clock.now
     now = clock.advance(0.1)
@@ -99,7 +86,7 @@ def test_a_refusal_halves_the_window_once_and_pauses_for_retry_after() -> None:
 
 
 def test_outages_back_off_exponentially_and_an_answer_resets_the_backoff() -> None:
-    clock = Clock()
+    clock = FakeClock(start=1000.0)
     c = FeedControl(initial=8, first_backoff_s=0.5, max_backoff_s=30)
     waits = []
     for _ in range(9):
@@ -139,19 +126,6 @@ def _line(custom_id: object, url: str = "/v1/infer", method: str = "POST", body:
     return json.dumps({"custom_id": custom_id, "method": method, "url": url,
                        "body": {"input": "x"} if body is None else body}).encode()
 
-
-def test_a_line_sent_again_waits_for_an_unmarked_sending_until_its_answer_or_past_its_deadline() -> None:
-    """The killed process published the line and died before marking it (``published`` False): the line sent
-    again waits for that sending's answer, until its deadline and the grace have passed; a marked sending (or
-    one from before the mark) is the gateway's to follow, and an answered one is not waited for."""
-    clock = Clock()
-    deadline = clock.now + 30
-    assert waits_for_earlier(False, False, deadline, clock.now)
-    assert waits_for_earlier(False, False, deadline, clock.advance(30 + EARLIER_GRACE_S - 0.1))
-    assert not waits_for_earlier(False, False, deadline, clock.advance(0.1))  # it can no longer run: send it
-    assert not waits_for_earlier(False, True, deadline, deadline - 10)  # answered: its answer
-    assert not waits_for_earlier(True, False, deadline, deadline - 10)  # marked: the gateway follows it
-    assert not waits_for_earlier(None, False, deadline, deadline - 10)  # from before the mark: followed too
 
 
 def test_a_batch_input_file_is_parsed_and_every_fault_is_named_with_its_line() -> None:

@@ -15,23 +15,17 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness.stack import Stack, wait_for
+from tests.harness.stack import Stack, running_stack, wait_for
 
 KV_TOKENS, CONTEXT = 2048, 512
 
 
 @pytest.fixture(scope="module")
 def small_kv(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("kv")), sim_lm_kv_tokens=KV_TOKENS, sim_lm_max_context=CONTEXT,
-              sim_lm_eos_mean=0, kv_admission_factor=2, heartbeat_interval_s=0.25, heartbeat_stale_factor=4)
-    try:
-        s.start_worker(0, backend="sim-lm")
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=1)
+    with running_stack(Path(tmp_path_factory.mktemp("kv")), workers=[(0, {"backend": "sim-lm"})], web_workers=1,
+                       sim_lm_kv_tokens=KV_TOKENS, sim_lm_max_context=CONTEXT, sim_lm_eos_mean=0,
+                       kv_admission_factor=2, heartbeat_interval_s=0.25, heartbeat_stale_factor=4) as s:
         yield s
-    finally:
-        s.close()
 
 
 def complete(url: str, prompt: str, max_tokens: int) -> requests.Response:
@@ -83,12 +77,8 @@ def test_tokens_admitted_stay_within_the_budget_and_a_worker_never_holds_more_th
 def test_a_short_answer_does_not_wait_for_the_long_one_in_its_batch(tmp_path: Path) -> None:
     """Continuous batching: two calls in one batch, 4 and 400 tokens to generate; the short one is answered as
     its row finishes, while the long one is still generating (not when the batch ends)."""
-    s = Stack(tmp_path, sim_lm_eos_mean=0, wait_mode="fixed", max_wait_ms=300)
-    try:
-        s.start_worker(0, backend="sim-lm")
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=1)
+    with running_stack(tmp_path, workers=[(0, {"backend": "sim-lm"})], web_workers=1, sim_lm_eos_mean=0,
+                       wait_mode="fixed", max_wait_ms=300) as s:
         with ThreadPoolExecutor(2) as pool:
             long = pool.submit(complete, s.url, "a long answer", 400)
             short = pool.submit(complete, s.url, "a short answer", 4)
@@ -97,5 +87,3 @@ def test_a_short_answer_does_not_wait_for_the_long_one_in_its_batch(tmp_path: Pa
             assert long.result().status_code == 200
         assert long.result().json()["usage"]["completion_tokens"] == 400
         wait_for(lambda: " size=2 " in s.log("gpu0"), 10, "the worker's log of the batch the two calls shared")
-    finally:
-        s.close()

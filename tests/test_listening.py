@@ -12,22 +12,15 @@ import pytest
 import requests
 
 from tests.harness.helpers import expected, post
-from tests.harness.stack import Stack
+from tests.harness.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")
 def fast(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("fast")), result_recheck_ms=60_000, sim_batch_ms=1,
-              wait_mode="fixed", max_wait_ms=1, sim_lm_speed=200, sim_lm_eos_mean=0)
-    try:
-        s.start_worker(0)
-        s.start_worker(1, backend="sim-lm")
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=2)
+    with running_stack(Path(tmp_path_factory.mktemp("fast")), workers=[0, (1, {"backend": "sim-lm"})],
+                       web_workers=1, result_recheck_ms=60_000, sim_batch_ms=1, wait_mode="fixed", max_wait_ms=1,
+                       sim_lm_speed=200, sim_lm_eos_mean=0) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_a_result_that_comes_back_before_publish_returns_is_not_missed(fast: Stack) -> None:

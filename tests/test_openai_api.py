@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session  # noqa: E402
 
 from tasks.store.models import RequestRecord, make_engine  # noqa: E402
 from tests.harness.models import build_tiny_llama  # noqa: E402
-from tests.harness.stack import Stack, wait_for  # noqa: E402
+from tests.harness.stack import Stack, running_stack, wait_for  # noqa: E402
 
 LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 
@@ -31,16 +31,10 @@ LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 @pytest.fixture(scope="module")
 def models_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     folder = build_tiny_llama(Path(tmp_path_factory.mktemp("models")) / LM)
-    s = Stack(Path(tmp_path_factory.mktemp("openai")), max_tokens_cap=64, hf_mode="continuous", store_inputs="true")
-    try:
-        s.start_worker(0, backend="hf-causal", model=str(folder))
-        s.start_worker(1, backend="hf-embed")
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=2)
+    workers = [(0, {"backend": "hf-causal", "model": str(folder)}), (1, {"backend": "hf-embed"})]
+    with running_stack(Path(tmp_path_factory.mktemp("openai")), workers=workers, web_workers=1, max_tokens_cap=64,
+                       hf_mode="continuous", store_inputs="true") as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")

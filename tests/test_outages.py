@@ -12,22 +12,18 @@ import requests
 
 from tests.harness.helpers import assert_json_error, expected, post
 from tests.harness.services import PrivateRedis
-from tests.harness.stack import Stack, wait_for
+from tests.harness.stack import Stack, running_stack, wait_for
 
 
 @pytest.fixture
 def outage_stack(tmp_path: Path) -> Iterator[tuple[Stack, PrivateRedis]]:
     private = PrivateRedis().start()
-    stack = Stack(tmp_path, redis_url=f"redis://127.0.0.1:{private.port}/0", heartbeat_interval_s=0.25)
     try:
-        stack.start_worker(0)
-        stack.start_batcher()
-        stack.start_web(workers=1)
-        stack.wait_ready(workers=1)
-        yield stack, private
+        with running_stack(tmp_path, web_workers=1, redis_url=f"redis://127.0.0.1:{private.port}/0",
+                           heartbeat_interval_s=0.25) as stack:
+            yield stack, private
     finally:
         private.stop()
-        stack.close()
 
 
 def test_redis_down_means_fast_503s_and_service_resumes_when_it_is_back(

@@ -19,7 +19,7 @@ import redis
 import requests
 
 from tests.harness.helpers import assert_json_error, expected, post, post_many
-from tests.harness.stack import BIN, REDIS_URL, Stack, wait_for
+from tests.harness.stack import BIN, REDIS_URL, Stack, running_stack, wait_for
 
 BATCH_S = 0.250  # the sim backend's default batch time
 MAX_WAIT_S = 0.020
@@ -265,8 +265,7 @@ def test_flower_lists_the_running_gpu_workers(stack: Stack) -> None:
 def test_two_batchers_started_with_their_defaults_on_one_host_both_serve(tmp_path: Path) -> None:
     """No --hostname: each takes a node name of its own (two of one name would collide on Celery's control
     queue and the second would die at start)."""
-    s = Stack(tmp_path)
-    try:
+    with running_stack(tmp_path, workers=(), batchers=0, web_workers=None, ready=False) as s:
         s.start_worker(0)
         for name in ("batcher-a", "batcher-b"):
             s._spawn(name, [str(BIN / "llmb-batcher")])
@@ -278,8 +277,6 @@ def test_two_batchers_started_with_their_defaults_on_one_host_both_serve(tmp_pat
         assert [r.status_code for r in answers] == [200] * len(texts)
         assert [r.json()["output"] for r in answers] == [expected(t) for t in texts]
         assert all(s.procs[n].poll() is None for n in ("batcher-a", "batcher-b"))
-    finally:
-        s.close()
 
 
 @pytest.mark.fault
@@ -287,13 +284,8 @@ def test_on_quorum_queues_every_queue_is_quorum_and_a_killed_worker_loses_nothin
     """LLMB_QUEUE_TYPE=quorum: the request, recovery and GPU worker queues are quorum queues (replicated in a
     RabbitMQ cluster), and the pipeline keeps its guarantees on them: a worker SIGKILLed mid-batch has its
     batch redelivered and every caller gets its own answer."""
-    s = Stack(tmp_path, queue_type="quorum")
-    try:
-        for device in (0, 1):
-            s.start_worker(device)
-        s.start_batcher()
-        url = s.start_web(workers=1)
-        s.wait_ready(workers=2)
+    with running_stack(tmp_path, workers=(0, 1), web_workers=1, queue_type="quorum") as s:
+        url = s.url
         texts = [f"quorum {i}" for i in range(60)]
         answers = post_many(url, [{"input": t} for t in texts[:20]])
         assert [r.json().get("output") for r in answers] == [expected(t) for t in texts[:20]]
@@ -316,8 +308,6 @@ def test_on_quorum_queues_every_queue_is_quorum_and_a_killed_worker_loses_nothin
             answers = list(later)
         assert [r.status_code for r in answers] == [200] * 40
         assert [r.json()["output"] for r in answers] == [expected(t) for t in texts[20:]]
-    finally:
-        s.close()
 
 
 def test_a_stale_batch_whose_items_another_batch_answered_is_not_run_again(stack: Stack) -> None:

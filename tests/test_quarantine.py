@@ -21,6 +21,7 @@ from tasks.state.quarantine import Quarantine, QuarantineSync
 from tasks.store.ledger import Ledger, Quarantined
 from tasks.store.models import make_engine
 from tests.admitting import try_admit
+from tests.fakes import FakeClock
 from tests.harness.stack import REDIS_URL
 
 
@@ -152,14 +153,14 @@ def test_an_input_quarantined_after_the_restart_is_kept_by_the_reload(database_u
 
 def test_a_reload_that_cannot_reach_the_ledger_is_tried_again_later(namespace: str,
                                                                     client: CountingRedis) -> None:
-    now = [100.0]
+    clock = FakeClock(start=100.0)
     quarantine = Quarantine(client, f"{namespace}:quarantine")
     away = Ledger(make_engine("postgresql+psycopg://postgres@127.0.0.1:1/none"))
-    sync = QuarantineSync(quarantine, away, retry_s=5.0, clock=lambda: now[0])
+    sync = QuarantineSync(quarantine, away, retry_s=5.0, clock=clock)
     assert sync.tick() and sync.join(10)
     assert not quarantine.is_loaded() and sync.reloads == 0
-    now[0] += 4.0
+    clock.advance(4.0)
     assert not sync.tick(), "no new attempt before retry_s"
-    now[0] += 1.5
+    clock.advance(1.5)
     assert sync.tick() and sync.join(10)
     assert not quarantine.is_loaded()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.stack import ROOT, Stack
+from tests.harness.stack import ROOT, Stack, running_stack
 
 README_URL = "http://127.0.0.1:8000/v1"
 
@@ -36,18 +36,11 @@ def readme_openai_example() -> str:
 
 @pytest.fixture(scope="module")
 def procfile_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("readme")))
-    try:
-        workers = procfile_workers()
-        assert {backend for _, backend in workers} >= {"sim", "hf-embed", "sim-lm"}, workers
-        for device, backend in workers:
-            s.start_worker(device, backend=backend)
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=len(workers))
+    workers = procfile_workers()
+    assert {backend for _, backend in workers} >= {"sim", "hf-embed", "sim-lm"}, workers
+    with running_stack(Path(tmp_path_factory.mktemp("readme")), web_workers=1,
+                       workers=[(device, {"backend": backend}) for device, backend in workers]) as s:
         yield s
-    finally:
-        s.close()
 
 
 def test_the_readme_openai_example_runs_as_written(procfile_stack: Stack) -> None:

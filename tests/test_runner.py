@@ -12,11 +12,13 @@ from typing import Any
 import pytest
 import redis
 
-from gpu_worker.runner import BatchRunner, WorkerState, measure_full_batch
-from gpu_worker.runner import Device as Slots
+from gpu_worker.device_slots import Device as Slots
+from gpu_worker.runner import BatchRunner
+from gpu_worker.worker_state import WorkerState, measure_full_batch
 from tasks.schema import Batch, BatchItem
 from tasks.state.claims import Claims
 from tasks.state.results import ResultWriter
+from tests.fakes import FakeClock
 from tests.harness.stack import REDIS_URL
 
 
@@ -114,13 +116,13 @@ def test_a_batch_that_finds_the_device_free_says_how_long_it_sat_idle(prefix: st
 
 
 def test_the_device_is_idle_only_while_a_slot_is_free() -> None:
-    now = [10.0]
-    one = Slots(1, clock=lambda: now[0])
+    clock = FakeClock(start=10.0)
+    one = Slots(1, clock=clock)
     one.acquire()
-    now[0] = 11.0
+    clock.now = 11.0
     assert one.idle_s() == 0.0  # a batch arriving now waits for the device: on time
     one.release()
-    now[0] = 11.25
+    clock.now = 11.25
     assert one.idle_s() == 0.25  # free since its release, not since it was made
     assert Slots(2).idle_s() is None  # with several slots a free one is no news
 

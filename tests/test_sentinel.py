@@ -274,11 +274,8 @@ RESUME_WITHIN_S = 10.0
 
 @pytest.fixture
 def sentinel_stack(tmp_path: Path, sentinel_set: SentinelSet) -> Iterator[Stack]:
-    stack = small_stack(tmp_path, redis_url=sentinel_set.url)  # gunicorn, the batcher, one sim worker
-    try:
+    with small_stack(tmp_path, redis_url=sentinel_set.url) as stack:  # gunicorn, the batcher, one sim worker
         yield stack
-    finally:
-        stack.close()
 
 
 @pytest.mark.fault

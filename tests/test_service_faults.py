@@ -1,10 +1,10 @@
 """The backbone failing under load: Redis killed, broker connections cut, a broker alarm, a connection flood.
 
-Each test runs the real processes under a steady open-loop load (tests/loadgen.py), breaks one service while
-it runs, and checks invariant 1 for every request sent: exactly one answer (its own output or a clear JSON
+Each test runs the real processes under a steady open-loop load (tests/harness/loadgen.py), breaks one service
+while it runs, and checks invariant 1 for every request sent: exactly one answer (its own output or a clear JSON
 error), never later than its deadline + 1 s, no connection reset; and that the service comes back by itself.
 Nothing shared is disturbed: Redis is a private server, connections are cut in a vhost of the test's own, the
-alarm is raised on a private RabbitMQ node (tests/services.py).
+alarm is raised on a private RabbitMQ node (tests/harness/services.py).
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ import requests
 
 from tests.harness.helpers import expected
 from tests.harness.loadgen import LATE_SLACK_S, LoadReport, Outcome, SteadyLoad
-from tests.harness.stack import Stack, wait_for
+from tests.harness.stack import Stack, running_stack, wait_for
 
 if TYPE_CHECKING:  # the fixtures come from tests.harness.services, a plugin of conftest.py
     from tests.harness.services import PrivateRabbit, PrivateRedis, Vhost
@@ -68,7 +69,7 @@ def wait_status(url: str, status: int, timeout_s: float, what: str, timeout_ms: 
 
 def hold(load: SteadyLoad, mark: int, seconds: float) -> None:
     """Keep the load (and whatever fault is on) going until ``seconds`` of its arrivals have been sent after its
-    ``mark``-th request: a count of requests sent, not a sleep (as carry_on in tests/test_faults.py)."""
+    ``mark``-th request: a count of requests sent, not a sleep (as carry_on in tests/harness/loadgen.py)."""
     want = mark + int(seconds * load.rate)
     wait_for(lambda: load.sent >= want, seconds + 30, f"{want} requests sent ({seconds:g} s of arrivals)")
 
@@ -93,23 +94,16 @@ def processes_alive(stack: Stack) -> dict[str, int | None]:
     return {name: proc.poll() for name, proc in stack.procs.items()}
 
 
-def small_stack(tmp: Path, **settings: object) -> Stack:
-    stack = Stack(tmp, heartbeat_interval_s=0.25, **settings)
-    stack.start_worker(0)
-    stack.start_batcher()
-    stack.start_web(workers=1)
-    stack.wait_ready(workers=1)
-    return stack
+def small_stack(tmp: Path, **settings: object) -> AbstractContextManager[Stack]:
+    """One sim worker, the batcher and gunicorn with one process, heartbeats every 0.25 s."""
+    return running_stack(tmp, web_workers=1, heartbeat_interval_s=0.25, **settings)
 
 
 # -- 1. Redis SIGKILLed and restarted ----------------------------------------------------------------------------
 @pytest.fixture
 def redis_stack(tmp_path: Path, private_redis: PrivateRedis) -> Iterator[Stack]:
-    stack = small_stack(tmp_path, redis_url=private_redis.url)
-    try:
+    with small_stack(tmp_path, redis_url=private_redis.url) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def test_redis_sigkilled_mid_load_gives_fast_503s_then_resumes(redis_stack: Stack,
@@ -149,11 +143,8 @@ def test_redis_sigkilled_mid_load_gives_fast_503s_then_resumes(redis_stack: Stac
 # -- 2. every broker connection of the stack closed, twice --------------------------------------------------------
 @pytest.fixture
 def vhost_stack(tmp_path: Path, own_vhost: Vhost) -> Iterator[Stack]:
-    stack = small_stack(tmp_path, broker_url=own_vhost.url)
-    try:
+    with small_stack(tmp_path, broker_url=own_vhost.url) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def test_broker_connections_closed_twice_mid_load_loses_nobody(vhost_stack: Stack, own_vhost: Vhost) -> None:
@@ -192,12 +183,11 @@ ALARM_TIMEOUT_MS = 6000
 
 @pytest.fixture
 def alarm_stack(tmp_path: Path, rabbit: PrivateRabbit) -> Iterator[Stack]:
-    stack = small_stack(tmp_path, broker_url=rabbit.url, publish_timeout_s=PUBLISH_TIMEOUT_S)
-    try:
-        yield stack
-    finally:
-        rabbit.clear_alarms()  # before close(), which talks to the broker
-        stack.close()
+    with small_stack(tmp_path, broker_url=rabbit.url, publish_timeout_s=PUBLISH_TIMEOUT_S) as stack:
+        try:
+            yield stack
+        finally:
+            rabbit.clear_alarms()  # before close(), which talks to the broker
 
 
 def test_broker_memory_alarm_gives_503_within_the_publish_timeout_then_resumes(
@@ -319,15 +309,8 @@ def _flood_elsewhere(url: str, n: int, tenant: str, timeout_ms: int) -> tuple[li
 def burst_stack(tmp_path: Path) -> Iterator[Stack]:
     """Default web settings (2 gunicorn processes, connections sized by the product); one sim worker at 100 ms
     batches (capacity 1,000 req/s)."""
-    stack = Stack(tmp_path, sim_batch_ms=100)
-    try:
-        stack.start_worker(0)
-        stack.start_batcher()
-        stack.start_web()
-        stack.wait_ready(workers=1)
+    with running_stack(tmp_path, sim_batch_ms=100) as stack:
         yield stack
-    finally:
-        stack.close()
 
 
 def test_a_connection_flood_from_one_tenant_leaves_a_steady_tenant_unharmed(burst_stack: Stack) -> None:

@@ -6,6 +6,7 @@ import pytest
 
 from tasks.errors import Overloaded
 from tasks.policy.shedding import DelayBound, Door
+from tests.fakes import FakeClock
 
 
 def test_a_transient_line_keeps_the_long_bound() -> None:
@@ -38,17 +39,17 @@ def test_without_a_short_bound_the_long_one_always_applies() -> None:
 
 
 def test_the_door_refuses_at_the_short_bound_once_its_line_has_stood() -> None:
-    now = [0.0]
-    door = Door(limit=10_000, retry_after_s=1, bound=DelayBound(2.5, 1.0, 2.0), clock=lambda: now[0])
+    clock = FakeClock(start=0.0)
+    door = Door(limit=10_000, retry_after_s=1, bound=DelayBound(2.5, 1.0, 2.0), clock=clock)
     for step in range(4):  # a line of 1.5 s for 1.5 s: still transient, every request let in
-        now[0] = 100.0 + step * 0.5
-        door.enter(arrived_at=now[0] - 1.5, caller=f"c{step % 2}")
+        clock.now = 100.0 + step * 0.5
+        door.enter(arrived_at=clock.now - 1.5, caller=f"c{step % 2}")
     assert door.held == 4
-    now[0] = 102.0  # the line has stood 2 s above 0.5 s: 1.5 s is now too late
+    clock.now = 102.0  # the line has stood 2 s above 0.5 s: 1.5 s is now too late
     with pytest.raises(Overloaded, match="1500 ms behind"):
-        door.enter(arrived_at=now[0] - 1.5, caller="c0")
+        door.enter(arrived_at=clock.now - 1.5, caller="c0")
     assert door.max_delay_s == 1.0
-    door.enter(arrived_at=now[0] - 0.2, caller="c1")  # the line drained: a short wait resets it
+    door.enter(arrived_at=clock.now - 0.2, caller="c1")  # the line drained: a short wait resets it
     assert door.max_delay_s == 2.5
-    door.enter(arrived_at=now[0] - 1.5, caller="c0")
+    door.enter(arrived_at=clock.now - 1.5, caller="c0")
     assert door.held == 6

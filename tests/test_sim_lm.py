@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -19,37 +18,21 @@ from gpu_worker.backends.sim_lm import SimLMBackend
 from gpu_worker.backends.sim_lm_engine import (
     A100_80GB_BYTES,
     DEFAULT_KV_TOKENS,
-    GREEDY,
     LLAMA2_7B,
     Engine,
     KVCache,
     Seq,
-    SimTokenizer,
-    Text,
     Timing,
     kv_capacity,
     run_static,
     static_groups,
     static_time_ms,
 )
+from gpu_worker.backends.sim_lm_text import GREEDY, SimTokenizer, Text
 from tasks.config import Settings
+from tests.fakes import FakeClock
 
 GREEDY_PARAMS = {"temperature": 0}
-
-
-class FakeClock:
-    """Time that passes only when someone sleeps."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        self._lock = threading.Lock()
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        with self._lock:
-            self.now += seconds
 
 
 def make_seq(prompt: list[int], max_tokens: int, *, index: int = 0, eos: int | None = None, stop: tuple[str, ...] = (),
@@ -79,7 +62,7 @@ def test_the_kv_budget_is_derived_from_the_model_shape_and_the_gpu() -> None:
     assert per_token == 512 * 1024
     free = 0.9 * A100_80GB_BYTES - 2 * LLAMA2_7B["params"]
     assert DEFAULT_KV_TOKENS == int(free // per_token) // 16 * 16 == 121_744
-    assert Settings().sim_lm_kv_tokens == DEFAULT_KV_TOKENS
+    assert Settings().sim.lm_kv_tokens == DEFAULT_KV_TOKENS
     assert kv_capacity(A100_80GB_BYTES, LLAMA2_7B["params"], 32, 4096, page_size=1) == 121_750
 
 
@@ -89,7 +72,7 @@ def test_the_default_timing_reproduces_the_published_latencies() -> None:
     for size, ms in published.items():
         assert static_time_ms([128] * size, [20] * size, Timing()) == pytest.approx(ms, rel=0.015)
     s = Settings()
-    assert Timing(s.sim_lm_prefill_ms_per_token, s.sim_lm_step_ms, s.sim_lm_step_ms_per_seq) == Timing()
+    assert Timing(s.sim.lm_prefill_ms_per_token, s.sim.lm_step_ms, s.sim.lm_step_ms_per_seq) == Timing()
     assert 1000 / Timing().step(1) == pytest.approx(90, abs=1)  # tokens/s, one sequence
     assert 64 * 1000 / Timing().step(64) == pytest.approx(3600, rel=0.02)  # tokens/s at 64 sequences
 
@@ -295,7 +278,7 @@ def test_static_batches_are_split_to_fit_the_cache() -> None:
 def test_the_backend_sleeps_the_simulated_time_in_both_modes() -> None:
     timing = Timing(prefill_ms_per_token=1.0, step_ms=10.0, step_ms_per_seq=1.0)
     for mode, expected_ms in (("static", 82), ("continuous", 76)):
-        clock = FakeClock()
+        clock = FakeClock(start=0.0)
         b = SimLMBackend(mode=mode, timing=timing, eos_mean=0, clock=clock, sleep=clock.sleep, speed=2)
         try:
             out = b.run(["a b c", "a b c d e"], [{"max_tokens": n, **GREEDY_PARAMS} for n in (2, 6)])
@@ -335,10 +318,10 @@ def test_the_module_is_torch_free_and_loads_by_name() -> None:
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=Path(__file__).resolve().parent.parent)
     assert done.returncode == 0 and done.stdout.split() == [], done.stderr
-    b = load_backend("sim-lm", Settings(sim_lm_mode="static", sim_lm_speed=100), model="my-lm")
+    b = load_backend("sim-lm", Settings.of(sim_lm_mode="static", sim_lm_speed=100), model="my-lm")
     assert (b.name, b.kind, b.slots, b.max_context) == ("my-lm", "causal", 1, 4096)
     with pytest.raises(ValueError, match="LLMB_SIM_LM_MODE"):
-        load_backend("sim-lm", Settings(sim_lm_mode="fast"))
+        load_backend("sim-lm", Settings.of(sim_lm_mode="fast"))
     with pytest.raises(ValueError, match="sim-lm"):
         load_backend("nope", Settings())
 
@@ -350,17 +333,12 @@ WORKER = "gpu0@test"
 
 @pytest.fixture(scope="module")
 def lm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.harness.stack import Stack
+    from tests.harness.stack import running_stack
 
-    s = Stack(Path(tmp_path_factory.mktemp("sim-lm")), heartbeat_interval_s=0.25, heartbeat_stale_factor=4)
-    try:
-        s.start_worker(0, backend="sim-lm")  # real time: the modelled A100's 11 ms steps
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=1)
+    with running_stack(Path(tmp_path_factory.mktemp("sim-lm")), web_workers=1,
+                       workers=[(0, {"backend": "sim-lm"})],  # real time: the modelled A100's 11 ms steps
+                       heartbeat_interval_s=0.25, heartbeat_stale_factor=4) as s:
         yield s
-    finally:
-        s.close()
 
 
 @pytest.fixture(scope="module")
@@ -433,7 +411,7 @@ def test_e2e_a_cancelled_stream_frees_its_slot(lm_stack: Any, client: Any) -> No
 
     # a prompt whose EOS is past 1000 tokens: left alone, it would stream for 1000 x 11.1 ms = 11 s
     prompt = next(p for p in (f"tell me a long story {i}" for i in range(100_000))
-                  if (Text(p, GREEDY).eos(Settings().sim_lm_eos_mean) or 0) >= 1000)
+                  if (Text(p, GREEDY).eos(Settings().sim.lm_eos_mean) or 0) >= 1000)
     natural_s = 1000 * Timing().step(1) / 1000
 
     def beat() -> dict[str, Any]:

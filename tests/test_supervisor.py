@@ -19,7 +19,7 @@ import requests
 from gpu_worker import supervisor as supervision
 from gpu_worker.drain import hear_sigterm_once
 from tests.harness.helpers import expected
-from tests.harness.stack import BIN, ROOT, Stack, wait_for
+from tests.harness.stack import BIN, ROOT, Stack, running_stack, wait_for
 
 HERE = socket.gethostname()
 
@@ -81,15 +81,9 @@ def test_a_worker_hears_only_the_first_sigterm() -> None:
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
     """One sim worker (gpu0), the batcher and gunicorn, serving."""
-    s = Stack(tmp_path)
-    try:
-        s.start_worker(0)
-        s.start_batcher()
-        s.start_web()
+    with running_stack(tmp_path, ready=False) as s:
         s.wait_serving(workers=1)
         yield s
-    finally:
-        s.close()
 
 
 def second_worker(stack: Stack, name: str, device: int = 0) -> subprocess.Popen[bytes]:

@@ -17,7 +17,7 @@ import pytest
 import requests
 
 from tests.harness.helpers import assert_json_error, expected, post
-from tests.harness.stack import ROOT, Stack, wait_for
+from tests.harness.stack import ROOT, Stack, running_stack, wait_for
 
 BATCH_MS = 250  # one sim device, 50 items per 250 ms batch: 200 items/s, a rate the 2-core front door can
 CAPACITY = 200  # outrun several times over (past that, a flood queues in the kernel's accept queue, FIFO)
@@ -25,16 +25,9 @@ CAPACITY = 200  # outrun several times over (past that, a flood queues in the ke
 
 @pytest.fixture(scope="module")
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = Stack(Path(tmp_path_factory.mktemp("tenancy")), auth="keys", auth_cache_s=0.5, sim_batch_ms=BATCH_MS,
-              sim_max_batch=50, max_batch_size=50, redis_pool_size=50)
-    try:
-        s.start_worker(0)
-        s.start_batcher()
-        s.start_web()
-        wait_for(lambda: requests.get(s.url + "/readyz", timeout=5).status_code == 200, 30, "a live worker")
+    with running_stack(Path(tmp_path_factory.mktemp("tenancy")), auth="keys", auth_cache_s=0.5,
+                       sim_batch_ms=BATCH_MS, sim_max_batch=50, max_batch_size=50, redis_pool_size=50) as s:
         yield s
-    finally:
-        s.close()
 
 
 def new_key(stack: Stack, tenant: str, *args: str) -> str:

@@ -27,6 +27,7 @@ from tasks.store.tenants import (
     key_id_of,
     new_key,
 )
+from tests.fakes import FakeClock
 from tests.harness.stack import BIN, ROOT
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:1/none"
@@ -57,26 +58,6 @@ def sqlite_store(tmp_path: Path) -> KeyStore:
     url = f"sqlite:///{tmp_path / 'keys.db'}"
     Base.metadata.create_all(make_engine(url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
     return store_for(url)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-class FakeSleep:
-    """Sleeping advances the fake clock (and is counted)."""
-
-    def __init__(self, clock: FakeClock) -> None:
-        self.clock = clock
-        self.slept: list[float] = []
-
-    def __call__(self, seconds: float) -> None:
-        self.slept.append(seconds)
-        self.clock.t += seconds
 
 
 class Counting:
@@ -199,14 +180,14 @@ def test_a_number_no_column_holds_is_invalid_input_with_a_short_message(sqlite_s
 
 # -- the directory: the cache every API request goes through ----------------------------------------------
 def test_a_revoked_key_works_until_the_ttl_then_never(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=1000.0)
     directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
     key_id, key = sqlite_store.create_key("team-a")
     assert directory.principal(key).key_id == key_id
     sqlite_store.revoke(key_id)
-    clock.t += 4.9
+    clock.advance(4.9)
     assert directory.principal(key).tenant.name == "team-a", "cached for the ttl"
-    clock.t += 0.1
+    clock.advance(0.1)
     with pytest.raises(Unauthorized) as refused:
         directory.principal(key)
     assert "Authorization: Bearer <key>" in refused.value.message
@@ -214,8 +195,8 @@ def test_a_revoked_key_works_until_the_ttl_then_never(sqlite_store: KeyStore) ->
 
 
 def test_missing_and_unknown_keys_are_refused_without_a_query_each(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
-    directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock, sleep=FakeSleep(clock))
+    clock = FakeClock(start=1000.0)
+    directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock, sleep=clock.sleep)
     counting = Counting(sqlite_store)
     for missing in (None, ""):
         with pytest.raises(Unauthorized, match="needs an API key"):
@@ -229,12 +210,12 @@ def test_missing_and_unknown_keys_are_refused_without_a_query_each(sqlite_store:
         with pytest.raises(Unauthorized, match="unknown or revoked"):
             directory.principal(unknown)
     assert (counting.calls, counting.lists) == (0, 1), "one list of the active keys, no lookup of this one"
-    clock.t += 5
+    clock.advance(5)
     with pytest.raises(Unauthorized):
         directory.principal(unknown)
     assert (counting.calls, counting.lists) == (0, 2), "the list is read again once per ttl"
 
-    clock.t += 1
+    clock.advance(1)
     _, key = sqlite_store.create_key("team-a")
     for _ in range(3):
         directory.principal(key)
@@ -244,39 +225,38 @@ def test_missing_and_unknown_keys_are_refused_without_a_query_each(sqlite_store:
 
 
 def test_a_key_issued_after_the_list_was_read_works_after_one_shared_wait(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
-    sleep = FakeSleep(clock)
-    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=clock, sleep=sleep)
+    clock = FakeClock(start=1000.0)
+    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=clock, sleep=clock.sleep)
     counting = Counting(sqlite_store)
     _, old = sqlite_store.create_key("team-a")
     directory.principal(old)
-    assert counting.lists == 1 and sleep.slept == []
-    clock.t += 0.25
+    assert counting.lists == 1 and clock.sleeps == []
+    clock.advance(0.25)
     key_id, fresh = sqlite_store.create_key("team-b")
     assert directory.principal(fresh).key_id == key_id, "issued after the list was read: not refused"
-    assert sleep.slept == [pytest.approx(0.75)], "the list is read again at most once a second"
+    assert clock.sleeps == [pytest.approx(0.75)], "the list is read again at most once a second"
     assert counting.lists == 2
     assert directory.principal(fresh).key_id == key_id and counting.lists == 2
 
 
 def test_a_flood_of_random_keys_costs_one_query_a_second_and_evicts_no_valid_key(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
-    sleep = FakeSleep(clock)
-    directory = TenantDirectory(sqlite_store, ttl_s=1000.0, clock=clock, max_entries=3, max_misses=50, sleep=sleep)
+    clock = FakeClock(start=1000.0)
+    directory = TenantDirectory(sqlite_store, ttl_s=1000.0, clock=clock, max_entries=3, max_misses=50,
+                                sleep=clock.sleep)
     counting = Counting(sqlite_store)
     valid = [sqlite_store.create_key(f"team-{i}")[1] for i in range(3)]
     for key in valid:
         directory.principal(key)
     assert (counting.calls, counting.lists) == (3, 1)
 
-    started = clock.t
+    started = clock.now
     for _ in range(200):
-        clock.t += 0.01
+        clock.advance(0.01)
         with pytest.raises(Unauthorized):
             directory.principal(new_key()[1])
     assert counting.calls == 3, "no random key is looked up on its own"
-    assert counting.lists - 1 <= math.ceil(clock.t - started), "at most one read of the key list a second"
-    assert max(sleep.slept) <= 1.0, "and none waits longer than a second for it"
+    assert counting.lists - 1 <= math.ceil(clock.now - started), "at most one read of the key list a second"
+    assert max(clock.sleeps) <= 1.0, "and none waits longer than a second for it"
     assert len(directory._misses) == 50 and len(directory._principals) == 3, "refusals are bounded on their own"
     for key in valid:
         directory.principal(key)
@@ -292,7 +272,7 @@ def test_a_flood_of_random_keys_costs_one_query_a_second_and_evicts_no_valid_key
 
 def test_a_database_outage_serves_what_was_seen_and_503s_the_rest(sqlite_store: KeyStore,
                                                                   caplog: pytest.LogCaptureFixture) -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=1000.0)
     directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
     key_id, key = sqlite_store.create_key("team-a")
     _, unknown = new_key()
@@ -304,7 +284,7 @@ def test_a_database_outage_serves_what_was_seen_and_503s_the_rest(sqlite_store: 
 
     healthy = sqlite_store.engine
     sqlite_store.engine = make_engine(UNREACHABLE)
-    clock.t += 60
+    clock.advance(60)
     with caplog.at_level(logging.WARNING, logger="llmb.tenants"):
         assert directory.principal(key) == seen, "a known key keeps working on its last answer"
     assert "database unreachable" in caplog.text
@@ -318,16 +298,16 @@ def test_a_database_outage_serves_what_was_seen_and_503s_the_rest(sqlite_store: 
 
     sqlite_store.engine = healthy
     sqlite_store.revoke(key_id)
-    clock.t += 0.5
+    clock.advance(0.5)
     assert directory.principal(key) == seen, "while one caller refreshes, the others keep the last answer"
-    clock.t += 1
+    clock.advance(1)
     with pytest.raises(Unauthorized):
         directory.principal(key)
 
 
 def test_the_caches_are_bounded(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
-    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=clock, max_entries=3, sleep=FakeSleep(clock))
+    clock = FakeClock(start=1000.0)
+    directory = TenantDirectory(sqlite_store, ttl_s=60.0, clock=clock, max_entries=3, sleep=clock.sleep)
     counting = Counting(sqlite_store)
     keys = [sqlite_store.create_key(f"team-{i}")[1] for i in range(5)]
     for key in keys:
@@ -340,19 +320,19 @@ def test_the_caches_are_bounded(sqlite_store: KeyStore) -> None:
 
 
 def test_tenant_policies_are_cached_and_names_checked(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=1000.0)
     directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
     assert directory.policy("team-a") == TenantPolicy("team-a", 1.0, 100, Priority.INTERACTIVE)
     sqlite_store.set_tenant("team-a", priority="offline")
     assert directory.policy("team-a").priority is Priority.INTERACTIVE
-    clock.t += 5
+    clock.advance(5)
     assert directory.policy("team-a").priority is Priority.OFFLINE
     with pytest.raises(InvalidInput):
         directory.policy("not a tenant")
 
 
 def test_the_class_a_caller_is_cached_with_is_known_without_a_query(sqlite_store: KeyStore) -> None:
-    clock = FakeClock()
+    clock = FakeClock(start=1000.0)
     directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
     sqlite_store.set_tenant("batchy", priority="offline")
     _, key = sqlite_store.create_key("batchy")
@@ -363,7 +343,7 @@ def test_the_class_a_caller_is_cached_with_is_known_without_a_query(sqlite_store
     assert directory.cached_priority(None, "batchy") is Priority.OFFLINE
     assert directory.cached_priority(key, "") is Priority.OFFLINE
     assert directory.cached_priority(key + "x", "") is None  # another key is not this one
-    clock.t += 5
+    clock.advance(5)
     assert directory.cached_priority(None, "batchy") is None  # stale: the next call looks it up again
     assert directory.cached_priority(key, "") is None
 

@@ -15,18 +15,14 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.harness.stack import Stack, wait_for
+from tests.harness.stack import running_stack, wait_for
 
 
 @pytest.mark.fault
 def test_long_and_short_prompt_tenants_get_token_throughput_within_ten_percent(tmp_path: Path) -> None:
-    s = Stack(tmp_path, sim_lm_kv_tokens=8192, sim_lm_eos_mean=0, sim_lm_speed=4, kv_admission_factor=100,
-              heartbeat_interval_s=0.25, heartbeat_stale_factor=4)
-    try:
-        s.start_worker(0, backend="sim-lm")
-        s.start_batcher()
-        s.start_web(workers=1)
-        s.wait_ready(workers=1)
+    with running_stack(tmp_path, workers=[(0, {"backend": "sim-lm"})], web_workers=1, sim_lm_kv_tokens=8192,
+                       sim_lm_eos_mean=0, sim_lm_speed=4, kv_admission_factor=100, heartbeat_interval_s=0.25,
+                       heartbeat_stale_factor=4) as s:
         tokens: Counter[str] = Counter()
         calls: Counter[str] = Counter()
         failures: list[str] = []
@@ -58,5 +54,3 @@ def test_long_and_short_prompt_tenants_get_token_throughput_within_ten_percent(t
         print(f"\n[token fairness] tokens {dict(tokens)}, calls {dict(calls)}, long/short {ratio:.3f}")
         assert not failures, failures[:3]
         assert 0.9 <= ratio <= 1.1, f"token throughput long/short = {ratio:.3f}: {dict(tokens)}"
-    finally:
-        s.close()

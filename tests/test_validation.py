@@ -9,7 +9,7 @@ from tasks.policy.tenancy import Principal, TenantPolicy
 from tasks.schema import Priority
 from webapp.validation import asks_offline, bearer_token, bind, parse_infer, priority_class, request_id_from
 
-S = Settings(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000, offline_max_timeout_ms=9000)
+S = Settings.of(max_inputs_per_call=3, default_timeout_ms=1000, max_timeout_ms=5000, offline_max_timeout_ms=9000)
 
 
 def test_single_and_multi_input() -> None:
@@ -42,7 +42,7 @@ def test_request_id_is_taken_only_when_well_formed() -> None:
 
 def test_settings_from_env_parse_and_reject() -> None:
     s = Settings.from_env({"LLMB_MAX_BATCH_SIZE": "7", "LLMB_MAX_WAIT_MS": "2.5", "LLMB_LOG_JSON": "true"})
-    assert s.max_batch_size == 7 and s.max_wait_ms == 2.5 and s.log_json is True
+    assert s.batcher.max_batch_size == 7 and s.batcher.max_wait_s == 0.0025 and s.process.log_json is True
     with pytest.raises(ValueError, match="LLMB_MAX_BATCH_SIZE"):
         Settings.from_env({"LLMB_MAX_BATCH_SIZE": "many"})
 

@@ -81,8 +81,8 @@ class HeldFull:
     def __init__(self, gateway: Gateway, tenants: TenantDirectory, settings: Settings) -> None:
         self.gateway = gateway
         self.tenants = tenants
-        self.default_model = settings.default_model
-        self.keys = settings.auth != "none"
+        self.default_model = settings.models.default_model
+        self.keys = settings.tenants.auth != "none"
 
     def any(self) -> bool:
         return self.gateway.holds_full()

@@ -100,4 +100,4 @@ def stats() -> Response:
     gateway = services().gateway
     workers, now = gateway.live_workers(), gateway.clock()  # the fleet may come from cache: the report reads Redis
     return jsonify(models=gateway.redis_call(lambda: model_report(gateway.admission, workers, now,
-                                                                  services().settings.scale_headroom)))
+                                                                  services().settings.tenants.scale_headroom)))

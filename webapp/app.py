@@ -32,7 +32,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     setup_logging(settings)
     app = Flask(__name__)
-    app.config["MAX_CONTENT_LENGTH"] = settings.max_body_bytes
+    app.config["MAX_CONTENT_LENGTH"] = settings.admission.max_body_bytes
     built = Services.from_settings(settings)  # the process's one set of clients, for every route
     app.extensions[EXTENSION] = built
     app.wsgi_app = DoorMiddleware(app.wsgi_app, built.door, is_inference)  # type: ignore[method-assign]

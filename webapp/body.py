@@ -39,7 +39,7 @@ EXAMPLE = 'e.g. {"input": "hello"}'
 def read_json(settings: Settings) -> Any:
     """The request's body as JSON; InvalidInput (400), PayloadTooLarge (413) or RequestTimeout (408) otherwise."""
     started = g.get("started") or time.monotonic()
-    return parse_json(read_body(settings.max_body_bytes, settings.body_timeout_s, started))
+    return parse_json(read_body(settings.admission.max_body_bytes, settings.admission.body_timeout_s, started))
 
 
 def parse_json(raw: bytes) -> Any:

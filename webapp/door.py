@@ -33,14 +33,14 @@ PEEK_TIMEOUT_S = 0.05
 
 def process_share(settings: Settings) -> int:
     """Requests one API process may hold: its even share of both admission caps (gunicorn_conf adds a margin)."""
-    return math.ceil((settings.admission_cap + settings.offline_admission_cap) / max(1, settings.web_workers))
+    return math.ceil((settings.admission.cap + settings.admission.offline_cap) / max(1, settings.web.workers))
 
 
 def door_from_settings(settings: Settings, gate: Gate | None = None) -> Door:
     """The process's door: its share of the caps, the delay bounds, its gate and the server's backlog."""
-    bound = DelayBound(settings.door_max_delay_ms / 1000, settings.door_standing_delay_ms / 1000,
-                       settings.door_standing_after_ms / 1000)
-    return Door(process_share(settings), settings.retry_after_s, bound, gate=gate, backlog=backlog)
+    bound = DelayBound(settings.admission.door_max_delay_s, settings.admission.door_standing_delay_s,
+                       settings.admission.door_standing_after_s)
+    return Door(process_share(settings), settings.admission.retry_after_s, bound, gate=gate, backlog=backlog)
 
 
 class DoorMiddleware:

@@ -34,9 +34,9 @@ def connections_per_worker(settings: Settings) -> int:
     The share is the one :func:`webapp.door.process_share` refuses beyond (not imported: this module loads in
     gunicorn's master, which must not import the app and its gevent-sensitive clients before the fork).
     """
-    if settings.web_connections > 0:
-        return settings.web_connections
-    share = math.ceil((settings.admission_cap + settings.offline_admission_cap) / max(1, settings.web_workers))
+    if settings.web.connections > 0:
+        return settings.web.connections
+    share = math.ceil((settings.admission.cap + settings.admission.offline_cap) / max(1, settings.web.workers))
     return share + REFUSAL_MARGIN
 
 
@@ -55,13 +55,14 @@ def raise_fd_limit(wanted: int) -> tuple[int, int]:
 
 _settings = Settings.from_env()
 
-bind = _settings.web_bind
-workers = _settings.web_workers
+bind = _settings.web.bind
+workers = _settings.web.workers
 worker_class = "webapp.worker.ArrivalTimingWorker"  # gevent, noting when connections arrive
 worker_connections = connections_per_worker(_settings)
 backlog = max(2048, worker_connections)  # the kernel caps it at net.core.somaxconn
 graceful_timeout = 10
-keepalive = max(1, math.ceil(_settings.keepalive_s))  # idle keep-alive (webapp.connections); > 0: the keep-alive loop
+keepalive = max(1,
+                math.ceil(_settings.web.keepalive_s))  # idle keep-alive (webapp.connections); > 0: the keep-alive loop
 accesslog = None  # one structured line per request comes from the app instead
 
 _fds_wanted = worker_connections + SPARE_FDS
@@ -69,7 +70,7 @@ _fd_soft, _fd_hard = raise_fd_limit(_fds_wanted)
 
 _metrics_dir = os.environ.setdefault(
     "PROMETHEUS_MULTIPROC_DIR",
-    os.path.join(tempfile.gettempdir(), f"llmb-metrics-{_settings.namespace}-{bind.replace(':', '_')}"),
+    os.path.join(tempfile.gettempdir(), f"llmb-metrics-{_settings.broker.namespace}-{bind.replace(':', '_')}"),
 )
 
 

@@ -5,9 +5,8 @@ directory) and runs each line the way its endpoint's route would (:class:`LineRu
 :func:`webapp.body.parse_json`, so a body holding a lone surrogate is that line's 400 as the interactive call's
 would be; the same parsing and the same response bodies), with these differences: the caller is the job's tenant,
 every line is offline priority, a line that gives no ``timeout_ms`` gets ``LLMB_JOBS_LINE_TIMEOUT_MS``, and every
-line carries an idempotency key derived from its job and ``custom_id``. A line sent again waits for the sending its
-key names while that one was never marked published (:func:`tasks.policy.feeding.waits_for_earlier`): its
-process may have been killed after the publish and before the mark, and the gateway would run it again.
+line carries an idempotency key derived from its job and ``custom_id``: a line sent again by the process that took
+a killed one's job over gets that sending's answer (the gateway follows any sending that may have been published).
 
     llmb-jobs          # any number of them, on any hosts: each job is run by one at a time (a lease in SQL)
 """
@@ -24,16 +23,15 @@ from typing import Any
 import click
 
 from tasks.config import Settings
-from tasks.errors import BatchingError, Forbidden, InvalidInput, RecordUnreadable
-from tasks.gateway.calls import Answer, Call
+from tasks.errors import BatchingError, Forbidden, InvalidInput
+from tasks.gateway.calls import Call
 from tasks.jobs.feeder import Feeder
 from tasks.jobs.job_run import LineResult
 from tasks.logs import setup_logging
 from tasks.policy.batchfile import idempotency_key
-from tasks.policy.feeding import waits_for_earlier
 from tasks.policy.tenancy import Principal
 from tasks.schema import Priority
-from tasks.state.records import Idempotency, Shape, State
+from tasks.state.records import Idempotency, Shape
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
 from webapp.answers import render
@@ -46,7 +44,6 @@ from webapp.validation import bind, parse_infer
 
 log = logging.getLogger("llmb.jobs")
 
-EARLIER_CHECK_S = 0.2  # a line waiting for an earlier sending of it looks at its record this often
 ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
          "/v1/infer": "infer"}
 
@@ -67,7 +64,7 @@ class LineRunner:
         self.services = services
         s = services.settings
         # what a line's body is parsed with: its default deadline is the jobs' (offline, so up to the offline limit)
-        self.parse_settings = replace(s, default_timeout_ms=min(s.jobs_line_timeout_ms, s.offline_max_timeout_ms))
+        self.parse_settings = s.but(default_timeout_ms=min(s.jobs.line_timeout_ms, s.admission.offline_max_timeout_ms))
 
     def __call__(self, job: JobInfo, line: Line, generation: int = 0) -> LineResult:
         """``generation``: how many times this line's deadline passed already; each is a new run (a new key:
@@ -79,38 +76,12 @@ class LineRunner:
             call, shape = self._call(job, body, line.request_id, started)
             key = idempotency_key(job.id, line.custom_id) + (f".{generation}" if generation else "")
             idempotency = Idempotency.of(key, job.endpoint, body)
-            answer = self._earlier(job, line, idempotency) or self.services.gateway.submit(
-                call, shape=shape, idempotency=idempotency)
+            answer = self.services.gateway.submit(call, shape=shape, idempotency=idempotency)
             return LineResult(200, render(shape, call.model, answer, started), ran=not answer.replayed)
         except BatchingError as exc:
             body = (error_body(exc.type, exc.message, line.request_id) if native
                     else openai_error_body(exc.status, exc.type, exc.message))
             return LineResult(exc.status, body, exc.type, exc.retry_after_s)
-
-    def _earlier(self, job: JobInfo, line: Line, idempotency: Idempotency) -> Answer | None:
-        """The answer of an earlier sending of this line under the same key that was never marked published,
-        waited for (:func:`tasks.policy.feeding.waits_for_earlier`); None when there is none to wait for (then
-        the gateway follows or runs it)."""
-        gateway = self.services.gateway
-        waited = False
-        while True:
-            try:
-                found = gateway.lookup(job.tenant, line.request_id)  # the latest call of the line's request id
-            except RecordUnreadable:
-                return None  # the claim of its key says what that means for the line
-            if found is None or found.record.key_hash != idempotency.key_hash:
-                return None  # never sent under this key (or its record expired): the gateway claims the key
-            if found.state is State.COMPLETED:
-                return found.answer
-            if not waits_for_earlier(found.record.published, found.record.outcome is not None,
-                                     found.record.deadline, gateway.clock()):
-                return None
-            if not waited:
-                waited = True
-                log.info("line %s of job %s: waiting for its sending that was never marked published (request %s, "
-                         "process %s) rather than running it again", line.line_no, job.id, found.record.request_id,
-                         found.record.instance)
-            time.sleep(EARLIER_CHECK_S)
 
     def _call(self, job: JobInfo, body: Any, request_id: str, started: float) -> tuple[Call, Shape]:
         settings = self.parse_settings
@@ -162,8 +133,8 @@ def main() -> None:
     """Run batch jobs (the Batch API's /v1/batches) on the capacity interactive traffic leaves."""
     settings = Settings.from_env()
     setup_logging(settings)
-    if settings.jobs_nice > 0:
-        os.nice(min(settings.jobs_nice, 19))  # offline work: the CPU, too, goes to interactive callers first
+    if settings.jobs.nice > 0:
+        os.nice(min(settings.jobs.nice, 19))  # offline work: the CPU, too, goes to interactive callers first
     feeder = build(settings)
     stop = threading.Event()
 

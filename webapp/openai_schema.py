@@ -37,7 +37,7 @@ def _common(body: Any, settings: Settings) -> tuple[str, dict[str, Any], int]:
         raise InvalidInput("only n=1 is supported")
     if body.get("logprobs") not in (None, False, 0):
         raise InvalidInput("logprobs are not supported")
-    timeout_ms = _number(body, "timeout_ms", settings.default_timeout_ms, 1, timeout_limit_ms(settings))
+    timeout_ms = _number(body, "timeout_ms", settings.admission.default_timeout_ms, 1, timeout_limit_ms(settings))
     return model, body, int(timeout_ms)
 
 
@@ -46,8 +46,8 @@ def generation_params(body: dict[str, Any], settings: Settings, *, default_max_t
     if max_tokens is None:
         max_tokens = default_max_tokens
     is_int = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
-    if not is_int or not 1 <= max_tokens <= settings.max_tokens_cap:
-        raise InvalidInput(f"'max_tokens' must be an integer from 1 to {settings.max_tokens_cap}")
+    if not is_int or not 1 <= max_tokens <= settings.models.max_tokens_cap:
+        raise InvalidInput(f"'max_tokens' must be an integer from 1 to {settings.models.max_tokens_cap}")
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
@@ -66,8 +66,8 @@ def _strings(body: dict[str, Any], name: str, settings: Settings, note: str = ""
     texts = [value] if isinstance(value, str) else value
     if not isinstance(texts, list) or not texts or not all(isinstance(t, str) for t in texts):
         raise InvalidInput(f"'{name}' must be a string or a non-empty list of strings{note}")
-    if len(texts) > settings.max_inputs_per_call:
-        raise InvalidInput(f"at most {settings.max_inputs_per_call} '{name}' entries per call")
+    if len(texts) > settings.admission.max_inputs_per_call:
+        raise InvalidInput(f"at most {settings.admission.max_inputs_per_call} '{name}' entries per call")
     return texts
 
 
@@ -91,7 +91,7 @@ def parse_chat(body: Any, settings: Settings, request_id: str, tenant: str) -> t
                 or not isinstance(m.get("content"), str):
             raise InvalidInput("each message needs a 'role' (system, user, assistant) and a string 'content'")
     clean = [{"role": m["role"], "content": m["content"]} for m in messages]
-    params = generation_params(body, settings, default_max_tokens=min(256, settings.max_tokens_cap))
+    params = generation_params(body, settings, default_max_tokens=min(256, settings.models.max_tokens_cap))
     params["chat"] = True
     call = Call(request_id=request_id, tenant=tenant, model=model, inputs=(json.dumps(clean),),
                 timeout_ms=timeout_ms, params=params)

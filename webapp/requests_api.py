@@ -34,7 +34,8 @@ def get_request(request_id: str) -> Response:
     tenant = g.principal.tenant.name if g.principal is not None else check_tenant_name(g.claimed_tenant or "default")
     found = services().gateway.lookup(tenant, request_id) if REQUEST_ID.match(request_id) else None
     if found is None:
-        raise NotFound(f"no request {request_id!r} of this tenant within the last {services().settings.result_ttl_s} "
+        ttl_s = services().settings.stores.result_ttl_s
+        raise NotFound(f"no request {request_id!r} of this tenant within the last {ttl_s} "
                        "s (ids are kept as long as results are)")
     record = found.record
     body: dict[str, object] = {"id": record.request_id, "object": "request", "status": found.state.value,

@@ -38,16 +38,17 @@ class Services:
     @classmethod
     def from_settings(cls, settings: Settings) -> Services:
         client = redis_client(settings)
-        publisher = RequestPublisher(settings.broker_url, settings.request_queue, settings.broker_pool_size,
-                                     settings.persistent_requests, settings.queue_type)
+        publisher = RequestPublisher(settings.broker.url, settings.request_queue, settings.broker.pool_size,
+                                     settings.broker.persistent_requests, settings.broker.queue_type)
         keys = KeyStore.from_settings(settings)
-        gate = Gate(settings.admit_concurrency, settings.door_max_delay_ms / 1000) if settings.admit_concurrency \
+        gate = Gate(settings.admission.admit_concurrency,
+                    settings.admission.door_max_delay_s) if settings.admission.admit_concurrency \
             else None
         gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex, gate=gate)
         return cls(settings=settings,
                    gateway=gateway,
                    keys=keys,
-                   tenants=TenantDirectory(keys, ttl_s=settings.auth_cache_s),
+                   tenants=TenantDirectory(keys, ttl_s=settings.tenants.auth_cache_s),
                    door=door_from_settings(settings, gate),
                    metrics=metrics_registry(settings, gateway, publisher))
 

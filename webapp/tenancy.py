@@ -45,7 +45,7 @@ def authenticated(view: Callable[P, R]) -> Callable[P, R]:
     def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         g.claimed_tenant = request.headers.get("X-Tenant")
         s = services()
-        g.principal = None if s.settings.auth == "none" else s.tenants.principal(bearer_key())
+        g.principal = None if s.settings.tenants.auth == "none" else s.tenants.principal(bearer_key())
         return view(*args, **kwargs)
 
     return checked

@@ -61,7 +61,7 @@ def read_upload(store: FileStore, tenant: str, settings: Settings, started: floa
     it). Nothing of it is kept when this raises."""
     if request.mimetype != "multipart/form-data":
         raise InvalidInput(f"the body is {request.mimetype or 'missing'}; {HOW}")
-    limit = settings.max_file_bytes
+    limit = settings.jobs.max_file_bytes
     length = request.content_length
     if length is not None and length > limit + FORM_OVERHEAD_BYTES:
         raise PayloadTooLarge(f"{file_too_large(limit).message} (Content-Length: {length})")
@@ -79,7 +79,7 @@ def read_upload(store: FileStore, tenant: str, settings: Settings, started: floa
                             max_form_parts=MAX_PARTS, silent=False)
     stream = _Timed(request.stream)
     try:
-        with time_limited(settings.body_timeout_s, started) as stream.check:
+        with time_limited(settings.admission.body_timeout_s, started) as stream.check:
             _, form, _ = parser.parse(cast(IO[bytes], stream), request.mimetype, length, request.mimetype_params)
     except BatchingError:
         upload.discard()

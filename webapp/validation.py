@@ -39,17 +39,18 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
         raw = body["inputs"]
         if not isinstance(raw, list) or not raw or not all(isinstance(x, str) for x in raw):
             raise InvalidInput("'inputs' must be a non-empty list of strings")
-        if len(raw) > settings.max_inputs_per_call:
-            raise InvalidInput(f"'inputs' holds {len(raw)} items; the limit per call is {settings.max_inputs_per_call}")
+        if len(raw) > settings.admission.max_inputs_per_call:
+            raise InvalidInput(f"'inputs' holds {len(raw)} items; the limit per call is "
+                               f"{settings.admission.max_inputs_per_call}")
         inputs = tuple(raw)
 
-    timeout_ms = body.get("timeout_ms", settings.default_timeout_ms)
+    timeout_ms = body.get("timeout_ms", settings.admission.default_timeout_ms)
     is_number = isinstance(timeout_ms, (int, float)) and not isinstance(timeout_ms, bool)
     if not is_number or not 0 < timeout_ms <= timeout_limit_ms(settings):
-        raise InvalidInput(f"'timeout_ms' must be a number in (0, {settings.max_timeout_ms}] "
-                           f"({settings.offline_max_timeout_ms} for offline requests)")
+        raise InvalidInput(f"'timeout_ms' must be a number in (0, {settings.admission.max_timeout_ms}] "
+                           f"({settings.admission.offline_max_timeout_ms} for offline requests)")
 
-    model = body.get("model", settings.default_model)
+    model = body.get("model", settings.models.default_model)
     check_model(model)
 
     tenant = check_tenant_name(named_tenant(body, tenant_header))
@@ -78,7 +79,7 @@ def check_model(model: Any) -> str:
 
 def timeout_limit_ms(settings: Settings) -> int:
     """The largest timeout any request may give (offline ones may wait longer; :func:`bind` checks the rest)."""
-    return max(settings.max_timeout_ms, settings.offline_max_timeout_ms)
+    return max(settings.admission.max_timeout_ms, settings.admission.offline_max_timeout_ms)
 
 
 def parse_priority(value: Any) -> Priority:
@@ -115,8 +116,9 @@ def bind(call: Call, principal: Principal, settings: Settings, *, claimed_tenant
         raise Forbidden(f"this API key belongs to tenant {policy.name!r}, not {claimed_tenant!r}; "
                         "leave the tenant out (the key says who you are)")
     priority = priority_class(call.priority, policy.priority)
-    if priority == Priority.INTERACTIVE and call.timeout_ms > settings.max_timeout_ms:
-        raise InvalidInput(f"'timeout_ms' must be at most {settings.max_timeout_ms} for interactive requests; "
+    if priority == Priority.INTERACTIVE and call.timeout_ms > settings.admission.max_timeout_ms:
+        limit_ms = settings.admission.max_timeout_ms
+        raise InvalidInput(f"'timeout_ms' must be at most {limit_ms} for interactive requests; "
                            "longer deadlines need \"priority\": \"offline\"")
     return replace(call, tenant=policy.name, weight=policy.weight, priority=priority,
                    tenant_cap=policy.max_in_flight, received_at=received_at)

@@ -206,9 +206,9 @@ class ArrivalTimingWorker(GeventWorker):
         first request: the header timeout), then the header timeout (:mod:`webapp.connections`)."""
         first = _connection.requests == 0
         _connection.requests += 1
-        idle = self.settings.header_timeout_s if first else self.settings.keepalive_s
-        return connections.NextRequest(_connection.client, _connection.parser, idle, self.settings.header_timeout_s,
-                                       self.settings.body_timeout_s, _arrived, first=first, intake=INTAKE,
+        idle = self.settings.web.header_timeout_s if first else self.settings.web.keepalive_s
+        return connections.NextRequest(_connection.client, _connection.parser, idle, self.settings.web.header_timeout_s,
+                                       self.settings.admission.body_timeout_s, _arrived, first=first, intake=INTAKE,
                                        refuse=_refused_at_accept if at_accept is not None else None)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:

@@ -27,13 +27,13 @@ def static_model_s(calls: list[dict[str, Any]], speed: float) -> float:
     from tasks.config import Settings
 
     s = Settings.from_env()
-    timing = Timing(s.sim_lm_prefill_ms_per_token, s.sim_lm_step_ms, s.sim_lm_step_ms_per_seq)
+    timing = Timing(s.sim.lm_prefill_ms_per_token, s.sim.lm_step_ms, s.sim.lm_step_ms_per_seq)
     tok = SimTokenizer()
     rows = [(len(tok.encode(c["prompt"])), c["max_tokens"]) for c in calls]
     groups: list[list[tuple[int, int]]] = []
     for row in rows:
-        if groups and len(groups[-1]) < s.sim_lm_max_seqs and \
-                (len(groups[-1]) + 1) * max(p + n for p, n in [*groups[-1], row]) <= s.sim_lm_kv_tokens:
+        if groups and len(groups[-1]) < s.sim.lm_max_seqs and \
+                (len(groups[-1]) + 1) * max(p + n for p, n in [*groups[-1], row]) <= s.sim.lm_kv_tokens:
             groups[-1].append(row)
         else:
             groups.append([row])
@@ -126,7 +126,7 @@ def summarize_lm(mode: str, args: argparse.Namespace, records: list[dict[str, An
     from tasks.config import Settings
 
     speed = args.speed
-    price = Settings.from_env().device_price_per_hour
+    price = Settings.from_env().models.device_price_per_hour
     wall = max(result["wall_s"], 1e-9)  # first call sent to last answer, wall seconds
     device_s = wall * speed  # the same span on the modelled device
     tokens = c1["tokens"] - c0["tokens"]  # prompt + output tokens, as the worker counts them

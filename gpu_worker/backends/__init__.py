@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from tasks.config import Settings
+from tasks.config import HfMode, Settings
 
 KINDS = ("sim", "sim-lm", "hf-causal", "hf-embed")
 
@@ -57,26 +57,26 @@ def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: i
     if kind == "sim":
         from gpu_worker.backends.sim import SimBackend
 
-        return SimBackend(name=model or "sim", batch_ms=settings.sim_batch_ms, item_ms=settings.sim_item_ms,
-                          max_batch=settings.sim_max_batch, raise_on=settings.sim_raise_on,
-                          kill_on=settings.sim_kill_on)
+        return SimBackend(name=model or "sim", batch_ms=settings.sim.batch_ms, item_ms=settings.sim.item_ms,
+                          max_batch=settings.sim.max_batch, raise_on=settings.sim.raise_on,
+                          kill_on=settings.sim.kill_on)
     if kind == "sim-lm":
         from gpu_worker.backends.sim_lm import SimLMBackend
         from gpu_worker.backends.sim_lm_engine import Timing
 
-        return SimLMBackend(name=model or "sim-lm", mode=settings.sim_lm_mode, speed=settings.sim_lm_speed,
-                            timing=Timing(settings.sim_lm_prefill_ms_per_token, settings.sim_lm_step_ms,
-                                          settings.sim_lm_step_ms_per_seq),
-                            kv_tokens=settings.sim_lm_kv_tokens, page_size=settings.sim_lm_page_size,
-                            prefix_sharing=settings.sim_lm_prefix_sharing, max_seqs=settings.sim_lm_max_seqs,
-                            slots=settings.sim_lm_slots, max_batch=settings.max_batch_size,
-                            max_context=settings.sim_lm_max_context, eos_mean=settings.sim_lm_eos_mean)
+        return SimLMBackend(name=model or "sim-lm", mode=settings.sim.lm_mode, speed=settings.sim.lm_speed,
+                            timing=Timing(settings.sim.lm_prefill_ms_per_token, settings.sim.lm_step_ms,
+                                          settings.sim.lm_step_ms_per_seq),
+                            kv_tokens=settings.sim.lm_kv_tokens, page_size=settings.sim.lm_page_size,
+                            prefix_sharing=settings.sim.lm_prefix_sharing, max_seqs=settings.sim.lm_max_seqs,
+                            slots=settings.sim.lm_slots, max_batch=settings.batcher.max_batch_size,
+                            max_context=settings.sim.lm_max_context, eos_mean=settings.sim.lm_eos_mean)
     if kind == "hf-embed":
         from gpu_worker.backends.hf_embed import HFEmbedBackend, default_model_path
 
         path = model or default_model_path()
-        return HFEmbedBackend(name=settings.served_name or _name_of(model, "all-MiniLM-L6-v2"), path=path,
-                              device=device_for(gpu), max_batch=settings.max_batch_size)
+        return HFEmbedBackend(name=settings.models.served_name or _name_of(model, "all-MiniLM-L6-v2"), path=path,
+                              device=device_for(gpu), max_batch=settings.batcher.max_batch_size)
     if kind == "hf-causal":
         if not model:
             raise ValueError("--backend hf-causal needs --model (a hub id such as Qwen/Qwen2.5-0.5B-Instruct, "
@@ -84,14 +84,13 @@ def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: i
         from gpu_worker.backends.continuous import EngineConfig
         from gpu_worker.backends.hf_causal import HFCausalBackend
 
-        if settings.hf_mode not in ("continuous", "static"):
-            raise ValueError(f"LLMB_HF_MODE must be 'continuous' or 'static', not {settings.hf_mode!r}")
-        engine = EngineConfig(settings.cb_num_blocks, settings.cb_page_size, settings.cb_max_batch_tokens,
-                              settings.cb_max_requests) if settings.hf_mode == "continuous" else None
-        return HFCausalBackend(name=settings.served_name or _name_of(model, model), path=model,
-                               device=device_for(gpu), max_batch=settings.max_batch_size,
-                               max_tokens_cap=settings.max_tokens_cap, continuous=engine,
-                               slots=settings.cb_slots)
+        m = settings.models  # its mode an HfMode: a misspelt one stopped the process when its settings were read
+        engine = EngineConfig(m.cb_num_blocks, m.cb_page_size, m.cb_max_batch_tokens,
+                              m.cb_max_requests) if m.hf_mode is HfMode.CONTINUOUS else None
+        return HFCausalBackend(name=settings.models.served_name or _name_of(model, model), path=model,
+                               device=device_for(gpu), max_batch=settings.batcher.max_batch_size,
+                               max_tokens_cap=settings.models.max_tokens_cap, continuous=engine,
+                               slots=settings.models.cb_slots)
     raise ValueError(f"unknown backend {kind!r}; available: {', '.join(KINDS)}")
 
 

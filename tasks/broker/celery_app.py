@@ -19,7 +19,7 @@ RUN_BATCH = "llmb.run_batch"
 
 
 def make_celery(settings: Settings) -> Celery:
-    app = Celery("llmb", broker=settings.broker_url, set_as_current=True)
+    app = Celery("llmb", broker=settings.broker.url, set_as_current=True)
     app.conf.update(
         llmb_settings=settings,
         task_serializer="json",
@@ -27,22 +27,22 @@ def make_celery(settings: Settings) -> Celery:
         task_ignore_result=True,  # outputs travel through Redis keys, not a result backend
         task_acks_late=True,  # a batch is acknowledged after it ran: a crashed worker's batch is redelivered
         task_reject_on_worker_lost=True,
-        worker_prefetch_multiplier=settings.max_outstanding_batches,
+        worker_prefetch_multiplier=settings.worker.max_outstanding_batches,
         broker_transport_options={"confirm_publish": True},
         broker_connection_retry_on_startup=True,
         broker_connection_max_retries=None,
         task_default_queue=settings.batcher_queue,  # never the shared default 'celery' queue
         # Remote control and events per namespace, so two systems on one broker never see each other's
         # workers (and two workers of the same name in different namespaces do not collide).
-        control_exchange=settings.namespace,
-        event_exchange=f"{settings.namespace}.events",
+        control_exchange=settings.broker.namespace,
+        event_exchange=f"{settings.broker.namespace}.events",
         task_create_missing_queues=True,
         # GPU worker queues are created on first use, by the worker or by a batcher's send: of the configured
         # type (quorum: Celery then also drops the global QoS that quorum queues do not support).
-        task_create_missing_queue_type=settings.queue_type,
+        task_create_missing_queue_type=settings.broker.queue_type,
         # A host cut off without a word (no FIN, no RST) is noticed by its missed heartbeats: RabbitMQ then
         # closes its connection, so a batcher's requests go to a standby and a worker's batches come back.
-        broker_heartbeat=settings.broker_heartbeat_s,
+        broker_heartbeat=settings.broker.heartbeat_s,
         worker_send_task_events=True,  # Flower
         task_send_sent_event=True,
         worker_hijack_root_logger=False,

@@ -57,14 +57,15 @@ class BatchingStep(bootsteps.ConsumerStep):
         stats = Stats.from_settings(s, client)
         self.clock = SharedClock.from_settings(s, client)  # deadlines and heartbeats are on it, whatever host set them
         self.fleet = Fleet.from_settings(s, client)
-        self.workers = FleetCache(self.fleet, s.heartbeat_interval_s / 2, wallclock=self.clock)
+        self.workers = FleetCache(self.fleet, s.worker.heartbeat_interval_s / 2, wallclock=self.clock)
         self.ledger = LedgerWriter.from_settings(s, on_drop=lambda n: stats.add("ledger_dropped", n))
-        self.batcher = Batcher(FlushPolicy(s.max_batch_size, s.max_wait_ms / 1000, s.max_batch_bytes), self._dispatch,
-                               self._live_workers, max_outstanding=s.max_outstanding_batches,
-                               lead_s=s.dispatch_lead_ms / 1000, max_retries=s.max_retries,
-                               wait=WaitPolicy(s.wait_mode, s.max_wait_ms / 1000, s.min_wait_ms / 1000,
-                                               s.adaptive_max_wait_ms / 1000),
-                               quantum=s.fair_quantum, offline_wait_s=s.offline_max_wait_ms / 1000,
+        self.batcher = Batcher(FlushPolicy(s.batcher.max_batch_size, s.batcher.max_wait_s, s.batcher.max_batch_bytes),
+                               self._dispatch,
+                               self._live_workers, max_outstanding=s.worker.max_outstanding_batches,
+                               lead_s=s.batcher.dispatch_lead_s, max_retries=s.batcher.max_retries,
+                               wait=WaitPolicy(s.batcher.wait_mode, s.batcher.max_wait_s, s.batcher.min_wait_s,
+                                               s.batcher.adaptive_max_wait_s),
+                               quantum=s.batcher.fair_quantum, offline_wait_s=s.batcher.offline_max_wait_s,
                                on_dropped=self._on_dropped, wallclock=self.clock)
         quarantine = Quarantine.from_settings(s, client)
         self.admission = Admission.from_settings(s, client)  # reaps what lost API processes had admitted
@@ -72,7 +73,8 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.recovery = Recovery(
             self.batcher, self.fleet, Claims.from_settings(s, client), quarantine,
             ResultWriter.from_settings(s, client), self.ledger.record,
-            lambda: self.app.pool.acquire(block=True, timeout=10), recovery_queue(s.recovery_queue, s.queue_type),
+            lambda: self.app.pool.acquire(block=True, timeout=10), recovery_queue(s.recovery_queue,
+                                                                                  s.broker.queue_type),
             on_poison=lambda: stats.add("poison_inputs"))
         self._timer: Any = None
         self._timer_eta = float("inf")
@@ -81,27 +83,29 @@ class BatchingStep(bootsteps.ConsumerStep):
 
     def get_consumers(self, channel: Any) -> list[Consumer]:
         s = self.settings
-        announcements = Queue(f"{s.namespace}.fleet.{uuid.uuid4().hex}", exchange=fleet_exchange(s.namespace),
+        announcements = Queue(f"{s.broker.namespace}.fleet.{uuid.uuid4().hex}",
+                              exchange=fleet_exchange(s.broker.namespace),
                               exclusive=True, auto_delete=True, durable=False)
         return [
-            Consumer(channel, queues=[request_queue(s.request_queue, s.queue_type)], on_message=self._on_message,
-                     prefetch_count=s.batcher_prefetch, accept=["json"]),
+            Consumer(channel, queues=[request_queue(s.request_queue, s.broker.queue_type)], on_message=self._on_message,
+                     prefetch_count=s.batcher.prefetch, accept=["json"]),
             Consumer(channel, queues=[announcements], on_message=self._on_batch_event, no_ack=True,
                      accept=["json"]),
             Consumer(channel, queues=[self.recovery.queue], on_message=self._on_recovery,
-                     prefetch_count=s.batcher_prefetch, accept=["json"]),
+                     prefetch_count=s.batcher.prefetch, accept=["json"]),
         ]
 
     def start(self, c: Any) -> None:
         super().start(c)
-        self._tick = c.timer.call_repeatedly(self.settings.heartbeat_interval_s / 2, self._on_tick)
+        self._tick = c.timer.call_repeatedly(self.settings.worker.heartbeat_interval_s / 2, self._on_tick)
         s = self.settings
-        log.info("batcher consuming %s (max_batch_size=%d, wait_mode=%s, max_wait_ms=%g, prefetch=%d)",
-                 s.request_queue, s.max_batch_size, s.wait_mode, s.max_wait_ms, s.batcher_prefetch)
-        if s.batcher_prefetch < s.admission_cap:
+        log.info("batcher consuming %s (max_batch_size=%d, wait_mode=%s, max_wait %g ms, prefetch=%d)",
+                 s.request_queue, s.batcher.max_batch_size, s.batcher.wait_mode, s.batcher.max_wait_s * 1000,
+                 s.batcher.prefetch)
+        if s.batcher.prefetch < s.admission.cap:
             log.warning("LLMB_BATCHER_PREFETCH (%d) is below LLMB_ADMISSION_CAP (%d): under a flood, other "
                         "tenants' requests can wait behind it in the request queue where fairness cannot see "
-                        "them", s.batcher_prefetch, s.admission_cap)
+                        "them", s.batcher.prefetch, s.admission.cap)
 
     def stop(self, c: Any) -> None:
         self._cancel_timers()
@@ -214,7 +218,7 @@ def main(hostname: str | None) -> None:
     app.steps["consumer"].add(BatchingStep)
     signals.worker_ready.connect(lambda **_: settle(), weak=False)  # started: out of the collector's full passes
     app.worker_main(["worker", "--pool=solo", "--concurrency=1", f"--queues={settings.batcher_queue}",
-                     f"--hostname={hostname}", f"--loglevel={settings.log_level}", "--without-gossip",
+                     f"--hostname={hostname}", f"--loglevel={settings.process.log_level}", "--without-gossip",
                      "--without-mingle", "--task-events"])
 
 

@@ -25,7 +25,7 @@ def _alembic(admin: Admin) -> Config:
     from alembic.config import Config
 
     config = Config(str(MIGRATIONS / "alembic.ini"))
-    config.set_main_option("sqlalchemy.url", admin.settings.database_url.replace("%", "%%"))
+    config.set_main_option("sqlalchemy.url", admin.settings.stores.database_url.replace("%", "%%"))
     return config
 
 
@@ -37,7 +37,7 @@ def upgrade(admin: Admin, revision: str) -> None:
     from alembic import command
 
     command.upgrade(_alembic(admin), revision)
-    click.echo(f"database at {admin.settings.database_url} is at {revision}")
+    click.echo(f"database at {admin.settings.stores.database_url} is at {revision}")
 
 
 @db.command()
@@ -48,4 +48,4 @@ def downgrade(admin: Admin, revision: str) -> None:
     from alembic import command
 
     command.downgrade(_alembic(admin), revision)
-    click.echo(f"database at {admin.settings.database_url} is at {revision}")
+    click.echo(f"database at {admin.settings.stores.database_url} is at {revision}")

@@ -27,7 +27,7 @@ def workers(admin: Admin, as_json: bool) -> None:
         now = admin.clock()()
         rows = sorted(fleet.all(), key=lambda w: w.id)
     except redis.RedisError as exc:
-        fail(f"cannot reach Redis at {admin.settings.redis_url}: {exc}")
+        fail(f"cannot reach Redis at {admin.settings.stores.redis_url}: {exc}")
     if as_json:
         click.echo(json.dumps([{**w.__dict__, "live": now - w.heartbeat_at <= fleet.stale_after_s}
                                for w in rows], indent=2))
@@ -71,9 +71,9 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         quarantined = admin.quarantine().count()
         live_workers = admin.fleet().live(now)
         live = len(live_workers)
-        models = model_report(admission, live_workers, now, s.scale_headroom)
+        models = model_report(admission, live_workers, now, s.tenants.scale_headroom)
     except redis.RedisError as exc:
-        fail(f"cannot reach Redis at {s.redis_url}: {exc}")
+        fail(f"cannot reach Redis at {s.stores.redis_url}: {exc}")
     queued: int | None
     try:
         queued = admin.publisher().queue_depth()
@@ -82,14 +82,14 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         click.echo(f"warning: cannot read the request queue from RabbitMQ: {exc}", err=True)
     items, batches, tokens = (after[n] - before[n] for n in ("items_done", "batches_done", "tokens"))
     tokens_per_s = tokens / interval
-    devices_cost_per_s = s.device_price_per_hour * live / 3600
+    devices_cost_per_s = s.models.device_price_per_hour * live / 3600
     report: dict[str, Any] = {
         "queue_depth": queued,
         "in_flight": in_flight,
         "oldest_waiting_s": round(now - oldest, 3) if oldest is not None else 0.0,
         "batches_per_s": round(batches / interval, 2),
         "items_per_s": round(items / interval, 2),
-        "fill_ratio": round(items / (batches * s.max_batch_size), 3) if batches else None,
+        "fill_ratio": round(items / (batches * s.batcher.max_batch_size), 3) if batches else None,
         "live_workers": live,
         "tokens_per_s": round(tokens_per_s, 1),
         # the workers' own figure (last minute): batches running at once on a device count once

@@ -22,7 +22,7 @@ from tasks.store.models import BatchRequest, RequestRecord, make_engine
 
 
 def _store(admin: Admin) -> JobStore:
-    return JobStore(make_engine(admin.settings.database_url))
+    return JobStore(make_engine(admin.settings.stores.database_url))
 
 
 def _when(epoch: float | None) -> str:
@@ -45,7 +45,8 @@ def _escaped(c: str) -> str:
 
 
 def _database_error(admin: Admin, exc: SQLAlchemyError) -> None:
-    fail(f"cannot read the jobs in the database at {shown_url(admin.settings.database_url)} ({first_line(exc)}); "
+    where = shown_url(admin.settings.stores.database_url)
+    fail(f"cannot read the jobs in the database at {where} ({first_line(exc)}); "
          "is it reachable, and upgraded (`llmb-admin db upgrade`)?")
 
 
@@ -94,7 +95,7 @@ def jobs_show(admin: Admin, job_id: str, n_lines: int, as_json: bool) -> None:
     try:
         job = store.get(job_id)
         if job is None:
-            fail(f"no batch job {job_id!r} in the database at {shown_url(admin.settings.database_url)}")
+            fail(f"no batch job {job_id!r} in the database at {shown_url(admin.settings.stores.database_url)}")
         counts = store.counts(job_id)
         lines = store.lines(job_id, limit=n_lines) if n_lines else []
         batches = _batches(store, [r for _, _, r, _, _ in lines])

@@ -60,11 +60,11 @@ class Admin:
         return Ledger.from_settings(self.settings)
 
     def session(self) -> Session:
-        return Session(make_engine(self.settings.database_url))
+        return Session(make_engine(self.settings.stores.database_url))
 
     def publisher(self, pool_size: int = 1) -> RequestPublisher:
         s = self.settings
-        return RequestPublisher(s.broker_url, s.request_queue, pool_size, queue_type=s.queue_type)
+        return RequestPublisher(s.broker.url, s.request_queue, pool_size, queue_type=s.broker.queue_type)
 
     def gateway(self) -> Gateway:
         return Gateway(self.settings, self.redis, self.publisher(4), f"cli-{uuid.uuid4().hex}")

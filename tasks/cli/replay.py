@@ -41,7 +41,8 @@ class _Sender:
 
     def __init__(self, admin: Admin, timeout_ms: int) -> None:
         self.gateway = admin.gateway()
-        self.tenants = TenantDirectory(KeyStore.from_settings(admin.settings), ttl_s=admin.settings.auth_cache_s)
+        self.tenants = TenantDirectory(KeyStore.from_settings(admin.settings),
+                                       ttl_s=admin.settings.tenants.auth_cache_s)
         self.timeout_ms = timeout_ms
 
     def calls(self, records: list[RequestRecord]) -> list[Call]:
@@ -78,7 +79,7 @@ def requeue(admin: Admin, ident: str, timeout_ms: int) -> None:
             records = [record]
         else:
             if session.get(BatchRecord, ident) is None:
-                fail(f"no batch or request with id {ident!r} in the ledger at {admin.settings.database_url}")
+                fail(f"no batch or request with id {ident!r} in the ledger at {admin.settings.stores.database_url}")
             records = list(session.scalars(select(RequestRecord).join(
                 BatchRequest, BatchRequest.request_id == RequestRecord.id).where(BatchRequest.batch_id == ident)))
         _need_inputs(records)

@@ -23,7 +23,7 @@ from tasks.store.tenants import KeyInfo, KeyStore
 @contextmanager
 def _key_store(admin: Admin) -> Iterator[KeyStore]:
     """The store, with database failures told as what to do about them."""
-    url = admin.settings.database_url
+    url = admin.settings.stores.database_url
     try:
         shown = make_url(url).render_as_string(hide_password=True)
         store = KeyStore.from_settings(admin.settings)
@@ -158,4 +158,4 @@ def keys_revoke(admin: Admin, key_id: str) -> None:
         revoked = store.revoke(key_id)
     if not revoked:
         fail(f"no active key with id {key_id!r}: unknown or already revoked (see `llmb-admin keys list`)")
-    click.echo(f"revoked {key_id}; API processes refuse it within {admin.settings.auth_cache_s:g} s")
+    click.echo(f"revoked {key_id}; API processes refuse it within {admin.settings.tenants.auth_cache_s:g} s")

@@ -71,15 +71,16 @@ class Gateway:
         self.instance_id = instance_id
         self.admission = Admission.from_settings(settings, client, instance_id)
         self.requests = Requests.from_settings(settings, client)
-        self.lease = Lease(self.admission, settings.api_lease_s / 3)
+        self.lease = Lease(self.admission, settings.admission.api_lease_s / 3)
         # Times other hosts compare with (deadlines sent to batchers and workers, heartbeats read) are on the
         # fleet's shared clock; this process's own waits run on its monotonic clock.
         self.clock = SharedClock.from_settings(settings, client)
         self.fleet = Fleet.from_settings(settings, client)
         # A stopping worker still serves its model: a rolling restart must not flap it to 503.
-        self.workers = FleetCache(self.fleet, settings.heartbeat_interval_s / 2, draining=True, wallclock=self.clock)
+        self.workers = FleetCache(self.fleet, settings.worker.heartbeat_interval_s / 2, draining=True,
+                                  wallclock=self.clock)
         self.result_key = self.keys.result
-        self.listener = ResultListener(client, self.reply_to, self.result_key, settings.result_recheck_ms / 1000)
+        self.listener = ResultListener(client, self.reply_to, self.result_key, settings.stores.result_recheck_s)
         self.replays = Replays(self.requests, self.listener)
         self.waiting = Waiting(client, self.keys, self.admission, self.requests, self.listener, self.replays,
                                self.clock)
@@ -100,7 +101,7 @@ class Gateway:
     def cap_for(self, model: str, timeout_s: float) -> int:
         """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s``."""
         workers = [w for w in self.live_workers() if w.model == model]
-        return deadline_cap(workers, timeout_s, self.settings.admission_cap)
+        return deadline_cap(workers, timeout_s, self.settings.admission.cap)
 
     def _workers_of(self, model: str) -> list[WorkerInfo] | None:
         """The live workers of ``model`` (None when the fleet cannot be read: that refusal comes later)."""
@@ -210,7 +211,7 @@ class Gateway:
         tenant beside a 5,000-call flood saw (10-54 of its 200 calls 429 queue_full); a light tenant is by
         definition a small share of the calls, so letting it past adds little."""
         if self._light(call.tenant):
-            return self.settings.admission_cap
+            return self.settings.admission.cap
         return self.cap_for(call.model, remaining_s)
 
     def _turn(self, tenant: str) -> AbstractContextManager[Turn]:
@@ -233,12 +234,14 @@ class Gateway:
         deadline = (call.received_at or now) + call.timeout_ms / 1000
         remaining_s = deadline - now
         refused = deadline_refusal(call.model, call.timeout_ms, remaining_s, now - (call.received_at or now),
-                                   shortest_answer_s(self._workers_of(call.model) or []), self.settings.retry_after_s)
+                                   shortest_answer_s(self._workers_of(call.model) or []),
+                                   self.settings.admission.retry_after_s)
         if refused is not None:
             raise refused
         request, record = request_of(call, shape, self.clock(), remaining_s, self.reply_to, self.instance_id)
         item_tokens, token_cap = token_demand(call.inputs, call.params, call.model,
-                                              lambda: self._workers_of(call.model), self.settings.kv_admission_factor)
+                                              lambda: self._workers_of(call.model),
+                                              self.settings.tenants.kv_admission_factor)
         return Prepared(request, record, remaining_s, deadline, item_tokens, token_cap)
 
     def _admit(self, call: Call, prepared: Prepared, turn: Turn, *, recorded: bool) -> Waiter:
@@ -311,7 +314,8 @@ class Gateway:
         call, (verdict, bad_hash, ahead) = joining.call, decision
         error = admission_refusal(verdict, bad_hash, ahead, model=call.model, tenant=call.tenant,
                                   tenant_cap=call.tenant_cap, hashes=joining.admit.hashes, workers=self.workers.last,
-                                  admission_cap=self.settings.admission_cap, retry_floor_s=self.settings.retry_after_s)
+                                  admission_cap=self.settings.admission.cap,
+                                  retry_floor_s=self.settings.admission.retry_after_s)
         if verdict is Verdict.FULL and isinstance(error, QueueFull):
             self.full.hold(call.model, call.priority, error, time.monotonic())
         return error
@@ -332,7 +336,8 @@ class Gateway:
 
     def _publish(self, calls: Sequence[Prepared]) -> BatchingError | None:
         """Publish the requests of a round as one message; the error its callers get when that fails."""
-        budget = min(self.settings.publish_timeout_s, max(0.0, max(c.deadline for c in calls) - time.monotonic()))
+        budget = min(self.settings.broker.publish_timeout_s, max(0.0,
+                                                                 max(c.deadline for c in calls) - time.monotonic()))
         try:
             self.publisher.publish([c.request for c in calls], budget)
         except PUBLISH_ERRORS as exc:

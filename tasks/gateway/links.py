@@ -27,7 +27,7 @@ def redis_client(settings: Settings) -> redis.Redis:
     """The Redis client of an API process: one bounded pool shared by all of its waiting callers (a plain Redis
     or the master behind Sentinel, as ``LLMB_REDIS_URL`` says); a caller that waits 5 s for a connection gets
     :class:`PoolExhausted`."""
-    return connect.redis_client(settings, max_connections=settings.redis_pool_size, pool_timeout_s=5,
+    return connect.redis_client(settings, max_connections=settings.stores.redis_pool_size, pool_timeout_s=5,
                                 socket_timeout=REDIS_TIMEOUT_S, socket_connect_timeout=2)
 
 

@@ -17,8 +17,8 @@ What runs one line is given to the feeder (``run_line``: the API's own parsing a
 
 Crashes: a killed process's lines in flight are simply not finished; its leases lapse after ``LLMB_JOBS_LEASE_S``
 and the next process to claim the job sends the pending lines again, each with its idempotency key, so that one
-the killed process had sent gets that sending's answer instead of a second run (even one it published and had
-not yet marked published: :func:`tasks.policy.feeding.waits_for_earlier`). A finished line (its output row
+the killed process had sent gets that sending's answer instead of a second run (the gateway marks a keyed call
+before publishing it, so any sending that may have run is followed). A finished line (its output row
 committed) is never sent again. SIGTERM stops sending, lets the lines in flight finish (for up to the lease
 time), commits them and gives the leases up at once.
 """
@@ -67,27 +67,27 @@ class Feeder:
     _cleaned_at: float = field(default=float("-inf"), init=False)
 
     def __post_init__(self) -> None:
-        self.pool = ThreadPoolExecutor(max_workers=max(1, self.settings.jobs_max_in_flight),
+        self.pool = ThreadPoolExecutor(max_workers=max(1, self.settings.jobs.max_in_flight),
                                        thread_name_prefix="line")
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
         """Poll until ``stop`` is set, then stop every job run (they finish their lines in flight)."""
         log.info("llmb-jobs %s: up to %d jobs at once, %d lines in flight per tenant, lease %g s", self.owner,
-                 self.settings.jobs_max_active, self.settings.jobs_max_in_flight, self.settings.jobs_lease_s)
+                 self.settings.jobs.max_active, self.settings.jobs.max_in_flight, self.settings.jobs.lease_s)
         while not stop.is_set():
             try:
                 self.tick()
             except SQLAlchemyError as exc:
                 log.warning("the database is unreachable (%s: %s); trying again in %g s", type(exc).__name__,
-                            str(exc).splitlines()[0] if str(exc) else "", self.settings.jobs_poll_s)
-            stop.wait(self.settings.jobs_poll_s)
+                            str(exc).splitlines()[0] if str(exc) else "", self.settings.jobs.poll_s)
+            stop.wait(self.settings.jobs.poll_s)
         self.shutdown()
 
     def tick(self) -> None:
         """Renew the leases held, forget finished runs, claim new jobs while there is room."""
         now = self.clock()
-        lease_s = self.settings.jobs_lease_s
+        lease_s = self.settings.jobs.lease_s
         for job_id, run in list(self.runs.items()):
             if not run.thread.is_alive():
                 del self.runs[job_id]
@@ -104,10 +104,10 @@ class Feeder:
                     run.lost.set()
         if self.stopping.is_set():
             return
-        if now - self._cleaned_at >= self.settings.files_cleanup_s:
+        if now - self._cleaned_at >= self.settings.jobs.files_cleanup_s:
             self._cleaned_at = now
             self.clean_up()
-        room = self.settings.jobs_max_active - len(self.runs)
+        room = self.settings.jobs.max_active - len(self.runs)
         if room <= 0:
             return
         waiting = [(j, t) for j, t in self.store.waiting(now, room) if j not in self.runs]
@@ -137,21 +137,21 @@ class Feeder:
         """Stop sending, let the lines in flight finish (at most ``timeout_s``, by default the lease), commit them
         and give the leases up."""
         self.stopping.set()
-        deadline = time.monotonic() + (self.settings.jobs_lease_s if timeout_s is None else timeout_s)
+        deadline = time.monotonic() + (self.settings.jobs.lease_s if timeout_s is None else timeout_s)
         while any(run.thread.is_alive() for run in self.runs.values()) and time.monotonic() < deadline:
             try:
                 self.tick()  # renewing the leases of the jobs still finishing their lines (claiming nothing)
             except SQLAlchemyError:
                 pass
             for run in list(self.runs.values()):
-                run.thread.join(max(0.0, min(self.settings.jobs_poll_s, deadline - time.monotonic())))
+                run.thread.join(max(0.0, min(self.settings.jobs.poll_s, deadline - time.monotonic())))
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # -- lines in flight per tenant, across this process's jobs ------------------------------------------
     def take(self, tenant: str, wanted: int) -> int:
         with self._lock:
             held = self._tenant_in_flight.get(tenant, 0)
-            granted = max(0, min(wanted, self.settings.jobs_max_in_flight - held))
+            granted = max(0, min(wanted, self.settings.jobs.max_in_flight - held))
             self._tenant_in_flight[tenant] = held + granted
             return granted
 

@@ -47,7 +47,7 @@ RunLine = Callable[[JobInfo, Line, int], LineResult]
 
 
 def default_control(settings: Settings) -> FeedControl:
-    return FeedControl(initial=settings.jobs_initial_in_flight, ceiling=settings.jobs_max_in_flight)
+    return FeedControl(initial=settings.jobs.initial_in_flight, ceiling=settings.jobs.max_in_flight)
 
 
 @dataclass
@@ -94,11 +94,11 @@ class JobRun:
         except Exception:
             log.exception("job %s failed in this process; its lease lapses and it is taken up again", self.job_id)
         finally:
-            self._wait_in_flight(self.feeder.settings.jobs_lease_s)
+            self._wait_in_flight(self.feeder.settings.jobs.lease_s)
 
     def _check(self, job: JobInfo) -> InputCheck:
         s = self.feeder.settings
-        return InputCheck(job.endpoint, s.jobs_max_lines, s.max_body_bytes)
+        return InputCheck(job.endpoint, s.jobs.max_lines, s.admission.max_body_bytes)
 
     def _validate(self, job: JobInfo) -> JobInfo | None:
         """Check the input file in one pass that keeps nothing but its errors, then write its lines in a second
@@ -153,7 +153,7 @@ class JobRun:
                 reported_at = now
                 log.info("job %s: %d lines in flight (window %.0f), %d waiting to be sent, pause %.1f s", job.id,
                          len(self.in_flight), self.control.window, len(self.todo), self.control.wait_s(now))
-            if now - checked_at >= settings.jobs_poll_s:  # cancelled? expired?
+            if now - checked_at >= settings.jobs.poll_s:  # cancelled? expired?
                 checked_at = now
                 status = self.store.status(job.id)
                 if status == "cancelling":

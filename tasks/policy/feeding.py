@@ -18,8 +18,6 @@ congestion window:
 :func:`verdict` says what an answer means for its line: final (written to the output or error file), or sent
 again (and after how many tries a line stops being sent and its last error becomes final). :func:`pick_jobs` says
 which waiting job a free slot of ``llmb-jobs`` takes: the next of the tenant running fewest.
-:func:`waits_for_earlier` says when a line sent again (a job taken over after a crash) waits for the sending
-of it that its key names instead of being submitted.
 """
 from __future__ import annotations
 
@@ -28,9 +26,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 MAX_LINE_ATTEMPTS = 8  # tries of a line that keeps failing in a way that may be the line's own fault
-# an earlier sending never marked published is waited on this long past its deadline: a batch that started before
-# the deadline (the batcher sends none that could not end by it) may finish a little after it, by its estimate's error
-EARLIER_GRACE_S = 2.0
 
 
 class Verdict(StrEnum):
@@ -138,25 +133,6 @@ class FeedControl:
         self.window = max(float(self.floor), self.window / 2)
         self.cut_at = now
         return True
-
-
-def waits_for_earlier(published: bool | None, answered: bool, deadline: float, now: float,
-                      grace_s: float = EARLIER_GRACE_S) -> bool:
-    """Whether a line sent again waits for the earlier sending of it that its idempotency key names (its record:
-    ``published``, whether it has its ``answered``, its ``deadline``; ``now`` on the same shared clock) rather
-    than being submitted.
-
-    The gateway marks a keyed call published only once RabbitMQ has confirmed it, and takes over a key whose
-    call is unmarked and whose process holds no lease (for an interactive retry, which then runs at once
-    instead of waiting for a deadline nobody will answer). A process killed between the confirm and the mark
-    leaves a call that is in RabbitMQ, runs, and has its results written, yet looks never published: sent again
-    through the gateway it runs a second time. That window is one round trip, but ``llmb-jobs`` has a hundred
-    lines going out at once, niced, on a busy host, so a SIGKILL lands in some line's window often (a third of
-    the full test suite's runs on 2 cores). A batch line has no caller waiting, so it waits for such a sending
-    instead: for its answer, or until its deadline (and the grace) has passed without one, when it can no longer
-    run (its message expires in the broker, the batcher drops it) and the line is sent. A sending marked
-    published (or from before the mark: ``None``) is followed by the gateway itself."""
-    return published is False and not answered and now < deadline + grace_s
 
 
 def pick_jobs(waiting: Sequence[tuple[str, str]], running: Mapping[str, int], room: int) -> list[str]:

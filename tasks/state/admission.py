@@ -129,8 +129,9 @@ class Admission:
     def from_settings(cls, settings: Settings, client: redis.Redis, instance: str = "") -> Admission:
         """The admission sets; ``instance`` names an API process that admits (readers leave it empty)."""
         keys = Keys.from_settings(settings)
-        return cls(client, keys.inflight, settings.admission_cap, keys.quarantine,
-                   offline_cap=settings.offline_admission_cap, instance=instance, lease_s=settings.api_lease_s)
+        return cls(client, keys.inflight, settings.admission.cap, keys.quarantine,
+                   offline_cap=settings.admission.offline_cap, instance=instance,
+                   lease_s=settings.admission.api_lease_s)
 
     def tenant_key(self, tenant: str) -> str:
         return f"{self.key}:t:{tenant}"

@@ -42,7 +42,7 @@ class SharedClock:
 
     @classmethod
     def from_settings(cls, settings: Settings, client: redis.Redis) -> SharedClock:
-        return cls(client, skew_s=settings.clock_skew_s)
+        return cls(client, skew_s=settings.process.clock_skew_s)
 
     def __call__(self) -> float:
         if self._monotonic() >= self._next_sync:

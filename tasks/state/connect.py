@@ -160,7 +160,7 @@ def redis_client(source: Settings | str, *, max_connections: int | None = None, 
     (5 s by default) for a free connection, then gets :class:`PoolExhausted`. Without it, redis-py's default pool.
     For a Sentinel URL the socket timeouts apply to the Sentinels too.
     """
-    url = source.redis_url if isinstance(source, Settings) else source
+    url = source.stores.redis_url if isinstance(source, Settings) else source
     bound: dict[str, Any] = {}
     if max_connections is not None:
         bound = {"max_connections": max_connections, "timeout": 5 if pool_timeout_s is None else pool_timeout_s}

@@ -27,7 +27,7 @@ class Fleet:
 
     @classmethod
     def from_settings(cls, settings: Settings, client: redis.Redis) -> Fleet:
-        return cls(client, Keys.from_settings(settings).fleet, settings.heartbeat_stale_s)
+        return cls(client, Keys.from_settings(settings).fleet, settings.worker.heartbeat_stale_s)
 
     def beat(self, info: WorkerInfo) -> None:
         self.client.hset(self.key, info.id, info.to_json())

@@ -44,7 +44,7 @@ class Keys:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Keys:
-        return cls(settings.namespace)
+        return cls(settings.broker.namespace)
 
     def _key(self, *parts: str) -> str:
         return ":".join((self.namespace, *parts))

@@ -116,7 +116,7 @@ class SystemCollector(Collector):
             sizes, runs = self.stats.histogram("batch_size"), self.stats.histogram("batch_run_seconds")
             workers = self.fleet.all()
             live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
-            models = model_report(self.admission, live, now, s.scale_headroom)
+            models = model_report(self.admission, live, now, s.tenants.scale_headroom)
         except redis.RedisError:
             yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=0)
             return

@@ -124,7 +124,7 @@ class Requests:
     @classmethod
     def from_settings(cls, settings: Settings, client: redis.Redis) -> Requests:
         keys = Keys.from_settings(settings)
-        return cls(client, keys, settings.result_ttl_s, keys.inflight + ":instances")
+        return cls(client, keys, settings.stores.result_ttl_s, keys.inflight + ":instances")
 
     def _ttl(self, record: Record, now: float) -> int:
         """Until the result TTL after the call's deadline (it is rewritten, shorter, when the call finishes)."""

@@ -44,7 +44,7 @@ class ResultWriter:
     def from_settings(cls, settings: Settings, client: redis.Redis, *, count: bool = False) -> ResultWriter:
         """``count``: also count items and batches answered (the GPU workers' writer; recovery's does not)."""
         keys = Keys.from_settings(settings)
-        return cls(client, keys.result, settings.result_ttl_s, keys.stat("items_done") if count else None,
+        return cls(client, keys.result, settings.stores.result_ttl_s, keys.stat("items_done") if count else None,
                    keys.stat("batches_done") if count else None)
 
     def write(self, results: Iterable[tuple[BatchItem, ItemResult]], done_key: str | None = None,

@@ -182,9 +182,10 @@ class FileStore:
     @classmethod
     def from_settings(cls, settings: Settings, engine: Engine | None = None,
                       clock: Callable[[], float] | None = None) -> FileStore:
-        return cls(engine or make_engine(settings.database_url), Path(settings.files_dir), clock or time.time,
-                   expire_s=settings.files_expire_s, tenant_max_bytes=settings.files_tenant_max_bytes,
-                   tenant_max_count=settings.files_tenant_max_count)
+        return cls(engine or make_engine(settings.stores.database_url), Path(settings.jobs.files_dir),
+                   clock or time.time,
+                   expire_s=settings.jobs.files_expire_s, tenant_max_bytes=settings.jobs.files_tenant_max_bytes,
+                   tenant_max_count=settings.jobs.files_tenant_max_count)
 
     def path(self, file_id: str) -> Path:
         """Where a file's bytes are (the id is checked: no path can be named through it)."""

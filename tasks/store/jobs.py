@@ -135,7 +135,7 @@ class JobStore:
 
     @classmethod
     def from_settings(cls, settings: Settings, engine: Engine | None = None) -> JobStore:
-        return cls(engine or make_engine(settings.database_url))
+        return cls(engine or make_engine(settings.stores.database_url))
 
     # -- the API's side ----------------------------------------------------------------------------------
     def create(self, tenant: str, endpoint: str, input_file_id: str, completion_window: str,

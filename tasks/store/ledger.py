@@ -108,7 +108,7 @@ class Ledger:
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Ledger:
-        return cls(make_engine(settings.database_url), settings.store_inputs)
+        return cls(make_engine(settings.stores.database_url), settings.stores.store_inputs)
 
     def write(self, ev: LedgerEvent) -> None:
         self.write_many([ev])

@@ -50,7 +50,7 @@ class LedgerWriter:
 
     @classmethod
     def from_settings(cls, settings: Settings, on_drop: Callable[[int], object] = lambda n: None) -> LedgerWriter:
-        return cls(Ledger.from_settings(settings), max_buffer=settings.ledger_buffer, on_drop=on_drop)
+        return cls(Ledger.from_settings(settings), max_buffer=settings.stores.ledger_buffer, on_drop=on_drop)
 
     def __post_init__(self) -> None:
         self._queue = queue.Queue()

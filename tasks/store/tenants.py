@@ -92,8 +92,8 @@ class KeyStore:
 
     @classmethod
     def from_settings(cls, settings: Settings, engine: Engine | None = None) -> KeyStore:
-        return cls(engine or make_engine(settings.database_url), weight=settings.tenant_weight,
-                   max_in_flight=settings.tenant_max_in_flight, priority=settings.tenant_priority)
+        return cls(engine or make_engine(settings.stores.database_url), weight=settings.tenants.weight,
+                   max_in_flight=settings.tenants.max_in_flight, priority=settings.tenants.priority)
 
 
     # -- keys ---------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import collections
 import json
 import time
 import uuid
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import aiohttp
 
 from bench.stats import percentile
 from tests.harness.helpers import expected
-from tests.harness.stack import Stack
+from tests.harness.stack import Stack, WorkerSpec, running_stack
 
 CLIENT_SLACK_S = 5.0  # the client gives up this long after the call's deadline (a hang is counted, not waited on)
 
@@ -44,22 +45,12 @@ class Call:
     wait_s: float = 0.0  # from when the request's headers were written (the client's own delay before excluded)
 
 
-def keyed_stack(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> Stack:
+def keyed_stack(tmp: Path, batchers: int = 1, embed: bool = False,
+                **env: object) -> AbstractContextManager[Stack]:
     """The system as these scenarios run it: API keys on, one sim worker at 250 ms per batch (400/s), two API
     processes, ``batchers`` batchers, and (``embed``) an all-MiniLM-L6-v2 worker for /v1/embeddings."""
-    stack = Stack(tmp, auth="keys", sim_batch_ms=250, **env)
-    try:
-        stack.start_worker(0)
-        if embed:
-            stack.start_worker(1, backend="hf-embed")
-        for i in range(batchers):
-            stack.start_batcher(f"batcher{i}" if i else "batcher")
-        stack.start_web()
-        stack.wait_ready(workers=2 if embed else 1)
-    except BaseException:
-        stack.close()  # a system that did not come up leaves no processes behind
-        raise
-    return stack
+    workers: list[WorkerSpec] = [0, (1, {"backend": "hf-embed"})] if embed else [0]
+    return running_stack(tmp, workers=workers, batchers=batchers, **{"auth": "keys", "sim_batch_ms": 250, **env})
 
 
 def key(stack: Stack, tenant: str) -> str:

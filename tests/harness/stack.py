@@ -13,9 +13,9 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import redis
 import requests
@@ -360,21 +360,33 @@ S = TypeVar("S", bound=Stack)
 WorkerSpec = int | tuple[int, Mapping[str, object]]  # a device index, or one with its own settings
 
 
-@contextmanager
-def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = (0,), batcher: bool = True,
+@overload
+def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = ..., batchers: int = ...,
+                  web_workers: int | None = ..., jobs: Sequence[str] = ..., ready: bool = ...,
+                  factory: Callable[..., S], **env: object) -> AbstractContextManager[S]: ...
+
+
+@overload
+def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = ..., batchers: int = ...,
+                  web_workers: int | None = ..., jobs: Sequence[str] = ..., ready: bool = ...,
+                  **env: object) -> AbstractContextManager[Stack]: ...
+
+
+@contextmanager  # type: ignore[misc]
+def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = (0,), batchers: int = 1,
                   web_workers: int | None = 2, jobs: Sequence[str] = (), ready: bool = True,
-                  factory: Callable[..., S] = Stack, **env: object) -> Iterator[S]:  # type: ignore[assignment]
+                  factory: Callable[..., Stack] = Stack, **env: object) -> Iterator[Stack]:
     """The one way an end-to-end test starts the system: ``workers`` (``1`` or ``(1, {"model": "slow"})``),
-    one batcher, gunicorn with ``web_workers`` processes (None: no web API), an `llmb-jobs` per name in ``jobs``;
-    ``env`` are settings without their ``LLMB_`` prefix. It waits until every worker is ready, and stops
-    everything (and removes the stack's queues and keys) however the test ends."""
+    ``batchers`` batchers, gunicorn with ``web_workers`` processes (None: no web API), an `llmb-jobs` per name in
+    ``jobs``; ``env`` are settings without their ``LLMB_`` prefix. It waits until every worker is ready, and
+    stops everything (and removes the stack's queues and keys) however the test ends."""
     stack = factory(tmp, **env)
     try:
         for spec in workers:
             device, options = (spec, {}) if isinstance(spec, int) else spec
             stack.start_worker(device, **options)  # type: ignore[arg-type]
-        if batcher:
-            stack.start_batcher()
+        for i in range(batchers):
+            stack.start_batcher(f"batcher{i}" if i else "batcher")
         if web_workers is not None:
             stack.start_web(workers=web_workers)
         for name in jobs:
