@@ -302,10 +302,11 @@ def run(writer: Any, request_id: str, items: list[tuple[str, str]], reply_to: st
 def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_its_mark_twice(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The race behind the SIGKILL test above, at the Redis level with the real gateway and line runner: the killed
-    process had claimed a line's key (its record says ``published: false``), published it, and died before marking
-    it published, so its process holds no lease and the gateway would take the key over and run the line again.
-    The process that takes the job over waits for that sending instead: its answer once its results are in (there
-    already, or later), and only once its deadline has passed without one is the line run (once)."""
+    process had claimed a line's key, marked it being sent (``published: null``), published it, and died before
+    marking it published, so its process holds no lease. The process that takes the job over waits for that
+    sending instead of running the line again: its answer once its results are in (there already, or later); once
+    its deadline has passed without one, that run ends 504 and the line's next run (a new key) runs it, once. A line whose process died before it was
+    being sent (``published: false``) never ran: it runs at once."""
     import threading
     import uuid
 
@@ -336,13 +337,14 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
     def line(n: int) -> Line:
         return Line(job.id, n, f"line-{n}", line_request_id(job.id, n), json.dumps({"input": f"text {n}"}), 0)
 
-    def killed_sending(n: int, deadline_s: float) -> str:
-        """Line n as the killed process left it: claimed (unmarked) by a process with no lease; its item id."""
+    def killed_sending(n: int, deadline_s: float, published: bool | None = None) -> str:
+        """Line n as the killed process left it: claimed and being sent (or, ``published=False``, not yet) by a
+        process with no lease; its item id."""
         idem = Idempotency.of(idempotency_key(job.id, f"line-{n}"), job.endpoint, {"input": f"text {n}"})
         at = gateway.clock()
         first = Record(request_id=line_request_id(job.id, n), tenant="alice", model="sim", items=(uuid.uuid4().hex,),
                        accepted_at=at, deadline=at + deadline_s, instance="killed", shape=Shape("infer", single=True),
-                       published=False, key_hash=idem.key_hash)
+                       published=published, key_hash=idem.key_hash)
         assert gateway.requests.claim(first, idem, at).claimed
         return first.items[0]
 
@@ -361,11 +363,22 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
         later.join()
         assert device.runs == Counter(), "the line was published again"
         assert (second.status_code, second.ran, second.body["output"]) == (200, False, "ran text 2"), second
-        # it never ran and its deadline passes without a result: the line runs, once
+        # it never ran and its deadline passes without a result: that run is over (504), and the line's next run,
+        # under a key of its own, runs it once
         killed_sending(3, 1)
         third = runner(job, line(3))
+        assert (third.status_code, third.error_type) == (504, "deadline_exceeded"), third
+        assert device.runs == Counter()
+        third = runner(job, line(3), generation=1)
         assert (third.status_code, third.ran, third.body["output"]) == (200, True, "ran text 3"), third
         assert device.runs == Counter({line(3).request_id: 1})
+        # its process died before it was being sent: it never ran, so it runs at once, long before its deadline
+        killed_sending(4, 600, published=False)
+        started = time.monotonic()
+        fourth = runner(job, line(4))
+        assert (fourth.status_code, fourth.ran, fourth.body["output"]) == (200, True, "ran text 4"), fourth
+        assert device.runs == Counter({line(3).request_id: 1, line(4).request_id: 1})
+        assert time.monotonic() - started < 60, "a call never sent was followed to its deadline"
     finally:
         gateway.client.delete(*gateway.client.keys(f"{settings.broker.namespace}:*") or ["none"])
 

@@ -7,7 +7,7 @@ import pytest
 
 from tasks.errors import Overloaded
 from tasks.gateway.gate import Gate
-from tasks.policy.shedding import Door
+from tasks.policy.shedding import DelayBound, Door
 from tests.fakes import FakeClock
 
 
@@ -105,4 +105,21 @@ def test_a_light_tenant_passes_beside_a_floods_full_slots() -> None:
             assert turn is not None and gate.waiting == 0
         with pytest.raises(Overloaded):
             with gate.passage("a"):  # a is the flood: it waits its turn, and is refused after max_wait_s
+                pass
+
+
+def test_the_gate_waits_only_as_long_as_the_doors_bound_allows_now() -> None:
+    """The gate's wait follows the door's delay bound (shared, as ``webapp.services`` wires them): once a line
+    stands, the excess waiting for a turn is refused at the short bound, not after the long one."""
+    clock = FakeClock(start=0.0)
+    bound = DelayBound(long_s=30.0, short_s=0.05, standing_after_s=2.0)
+    gate = Gate(slots=1, max_wait_s=lambda: bound.bound(clock.now))
+    assert gate.max_wait_s == 30.0
+    bound.observe(0.9, now=0.0)
+    clock.now = 2.0
+    bound.observe(0.9, now=clock.now)
+    assert gate.max_wait_s == 0.05  # a standing line
+    with gate.passage():
+        with pytest.raises(Overloaded, match="for its turn"):  # on the long bound this would wait 30 s
+            with gate.passage():
                 pass

@@ -36,11 +36,16 @@ def process_share(settings: Settings) -> int:
     return math.ceil((settings.admission.cap + settings.admission.offline_cap) / max(1, settings.web.workers))
 
 
-def door_from_settings(settings: Settings, gate: Gate | None = None) -> Door:
+def delay_bound(settings: Settings) -> DelayBound:
+    """The process's delay bound, shared by its door and its gate."""
+    return DelayBound(settings.admission.door_max_delay_s, settings.admission.door_standing_delay_s,
+                      settings.admission.door_standing_after_s)
+
+
+def door_from_settings(settings: Settings, gate: Gate | None = None, bound: DelayBound | None = None) -> Door:
     """The process's door: its share of the caps, the delay bounds, its gate and the server's backlog."""
-    bound = DelayBound(settings.admission.door_max_delay_s, settings.admission.door_standing_delay_s,
-                       settings.admission.door_standing_after_s)
-    return Door(process_share(settings), settings.admission.retry_after_s, bound, gate=gate, backlog=backlog)
+    return Door(process_share(settings), settings.admission.retry_after_s, bound or delay_bound(settings),
+                gate=gate, backlog=backlog)
 
 
 class DoorMiddleware:
