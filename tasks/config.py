@@ -183,10 +183,6 @@ class Admission:
         "A request body must arrive within this many seconds of its headers; slower ones get 408 and the connection is closed.")
     door_max_delay_s: float = setting(2.5, "door_max_delay_ms",
         "An inference request whose API process would get to it this long after its bytes arrived (the process is CPU-bound: a burst) is refused at once from its bytes with 429 overloaded, so that the excess is told fast and the work already admitted is still answered in time; also the longest a call waits for its turn at admission. Whether a request let in can still be answered within its own deadline is admission's call.", ms=True)
-    door_standing_delay_s: float = setting(1.0, "door_standing_delay_ms",
-        "The door's bound once its line has stood (a steady overload, not a burst): when requests have waited over half this for their process for LLMB_DOOR_STANDING_AFTER_MS, the bound drops from LLMB_DOOR_MAX_DELAY_MS to this, so that a steady excess is refused fast instead of after the long bound (CoDel's idea); it rises again once a request waits under half this.", ms=True)
-    door_standing_after_s: float = setting(2.0, "door_standing_after_ms",
-        "How long the door's line must stand (every request waiting over half LLMB_DOOR_STANDING_DELAY_MS) before it counts as a steady overload rather than a transient burst.", ms=True)
     admit_concurrency: int = setting(32, "admit_concurrency",
         "Calls one API process takes through admission at once (its Redis round trips and the publish; a call gives its turn up before waiting for RabbitMQ's confirm); the rest wait their turn in arrival order for at most LLMB_DOOR_MAX_DELAY_MS, and the door refuses at once, before the body is read, a call that could not get its turn in time (429 overloaded, Retry-After the expected wait at the measured drain rate). 0: no limit.")
     default_timeout_ms: int = setting(30_000, "default_timeout_ms",
@@ -389,10 +385,7 @@ def _value(name: str, f: Field[Any], value: object) -> object:
     kind: type = type(f.default)
     if isinstance(value, str) and kind is not str:
         try:
-            if kind is bool:
-                value = value.lower() in ("1", "true", "yes")
-            else:
-                value = kind(str(value))
+            value = value.lower() in ("1", "true", "yes") if kind is bool else kind(str(value))
         except ValueError:
             choices = f" (one of {', '.join(repr(str(c)) for c in kind)})" if issubclass(kind, StrEnum) else ""
             raise ValueError(f"{PREFIX}{name.upper()}={value!r} is not a valid {kind.__name__}{choices}") from None
@@ -411,7 +404,7 @@ def absolute_sqlite_url(url: str) -> str:
     """A SQLite URL whose file is named relative (``sqlite:///var/llmb.db``) made absolute
     (``sqlite:////abs/var/llmb.db``); in-memory databases and other databases' URLs are left as they are."""
     scheme, sep, rest = url.partition(":///")
-    if not sep or not scheme.split("+")[0] == "sqlite":
+    if not sep or scheme.split("+")[0] != "sqlite":
         return url
     path, query_sep, query = rest.partition("?")
     if not path or path == ":memory:" or path.startswith(("/", "file:")):

@@ -74,7 +74,7 @@ def answer(client: socket.socket) -> tuple[str, dict[str, str], dict[str, object
 
 def test_a_request_is_refused_at_accept_with_the_doors_json_429_while_the_process_is_behind(behind: None) -> None:
     gate = Gate()
-    door = Door(limit=100, retry_after_s=1, bound=1.0, backlog=worker.backlog, gate=gate)  # type: ignore[arg-type]
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog, gate=gate)
     accept = AcceptDoor(door, is_inference)
     client, server = connection(request({"input": "hello"}))
     assert not accept(server)  # half a second behind, and no wait at the gate: it can still be served in time
@@ -92,7 +92,7 @@ def test_a_request_is_refused_at_accept_with_the_doors_json_429_while_the_proces
 def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_way(behind: None) -> None:
     gate = Gate()
     gate.wait_s = 5.0
-    door = Door(limit=100, retry_after_s=1, bound=1.0, backlog=worker.backlog, gate=gate)  # type: ignore[arg-type]
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog, gate=gate)
     accept = AcceptDoor(door, is_inference)
     _, partial = connection(request({"input": "hello"}, cut=3))  # the body not all there yet
     assert not accept(partial)
@@ -128,14 +128,14 @@ def tenants(tmp_path: Path) -> tuple[KeyStore, TenantDirectory]:
 
 
 def held_door(verdicts: Verdicts, directory: TenantDirectory, auth: str = "none") -> AcceptDoor:
-    door = Door(limit=100, retry_after_s=1, bound=1.0, backlog=worker.backlog)
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog)
     held = HeldFull(verdicts, directory, Settings.of(auth=auth))  # type: ignore[arg-type]
     return AcceptDoor(door, is_inference, held)
 
 
 def test_a_call_the_gateway_holds_a_full_verdict_for_is_refused_at_accept_with_that_verdict(
         tenants: tuple[KeyStore, TenantDirectory]) -> None:
-    store, directory = tenants
+    _store, directory = tenants
     verdicts = Verdicts()
     accept = held_door(verdicts, directory)
     _, idle = connection(request({"input": "hello"}))

@@ -224,7 +224,7 @@ def _gunicorn_conf(**env: object) -> dict[str, int]:
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                           env=environ | {f"LLMB_{k.upper()}": str(v) for k, v in env.items()})
     assert done.returncode == 0, done.stderr
-    return json.loads(done.stdout)  # type: ignore[no-any-return]
+    return json.loads(done.stdout)
 
 
 def test_gunicorn_holds_a_share_of_both_caps_per_worker_plus_a_margin() -> None:
@@ -390,7 +390,7 @@ def test_a_request_the_process_got_to_too_late_is_refused_before_anything_else()
     from tasks.errors import Overloaded
     from tasks.policy.shedding import Door
 
-    door = Door(limit=10, retry_after_s=1, bound=1.0, clock=FakeClock(start=100.0))
+    door = Door(limit=10, retry_after_s=1, max_delay_s=1.0, clock=FakeClock(start=100.0))
     door.enter(arrived_at=99.5)
     with pytest.raises(Overloaded) as refused:
         door.enter(arrived_at=98.0)

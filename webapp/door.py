@@ -17,7 +17,7 @@ import gevent
 from tasks.config import Settings
 from tasks.errors import QueueFull
 from tasks.gateway.gate import Gate
-from tasks.policy.shedding import DelayBound, Door
+from tasks.policy.shedding import Door
 from tasks.state.metrics import HTTP_REQUESTS
 from webapp.errors import NATIVE, OPENAI
 from webapp.peek import PEEK_MAX_BYTES, tenant_of
@@ -36,15 +36,9 @@ def process_share(settings: Settings) -> int:
     return math.ceil((settings.admission.cap + settings.admission.offline_cap) / max(1, settings.web.workers))
 
 
-def delay_bound(settings: Settings) -> DelayBound:
-    """The process's delay bound, shared by its door and its gate."""
-    return DelayBound(settings.admission.door_max_delay_s, settings.admission.door_standing_delay_s,
-                      settings.admission.door_standing_after_s)
-
-
-def door_from_settings(settings: Settings, gate: Gate | None = None, bound: DelayBound | None = None) -> Door:
-    """The process's door: its share of the caps, the delay bounds, its gate and the server's backlog."""
-    return Door(process_share(settings), settings.admission.retry_after_s, bound or delay_bound(settings),
+def door_from_settings(settings: Settings, gate: Gate | None = None) -> Door:
+    """The process's door: its share of the caps, its delay bound, its gate and the server's backlog."""
+    return Door(process_share(settings), settings.admission.retry_after_s, settings.admission.door_max_delay_s,
                 gate=gate, backlog=backlog)
 
 

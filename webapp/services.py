@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from dataclasses import dataclass
 
@@ -19,7 +18,7 @@ from tasks.policy.shedding import Door
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
 from tasks.store.directory import TenantDirectory
 from tasks.store.tenants import KeyStore
-from webapp.door import delay_bound, door_from_settings
+from webapp.door import door_from_settings
 
 EXTENSION = "llmb"  # the one key in app.extensions
 
@@ -42,15 +41,14 @@ class Services:
         publisher = RequestPublisher(settings.broker.url, settings.request_queue, settings.broker.pool_size,
                                      settings.broker.persistent_requests, settings.broker.queue_type)
         keys = KeyStore.from_settings(settings)
-        bound = delay_bound(settings)
-        gate = Gate(settings.admission.admit_concurrency, lambda: bound.bound(time.monotonic())) \
-            if settings.admission.admit_concurrency else None
+        gate = Gate(settings.admission.admit_concurrency,
+                    settings.admission.door_max_delay_s) if settings.admission.admit_concurrency else None
         gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex, gate=gate)
         return cls(settings=settings,
                    gateway=gateway,
                    keys=keys,
                    tenants=TenantDirectory(keys, ttl_s=settings.tenants.auth_cache_s),
-                   door=door_from_settings(settings, gate, bound),
+                   door=door_from_settings(settings, gate),
                    metrics=metrics_registry(settings, gateway, publisher))
 
 

@@ -7,8 +7,6 @@ behind all the others at every round trip: under a burst every caller is late to
 that were admitted. With a limit, the calls inside finish their admission quickly, and the queue of the
 others is visible: a call that has waited longer than ``max_wait_s`` for its turn is refused (429
 overloaded) while its caller can still be told fast, rather than admitted to be answered after its deadline.
-That wait follows the door's delay bound (:class:`tasks.policy.shedding.DelayBound`): long while a burst's line
-drains, short once a line stands, so that a steady overload's excess is told fast here too.
 
 ``Retry-After`` on that refusal is the queue ahead divided by the drain rate: the slots over the mean time a
 call holds one (the capacity of the admission path as measured now, under whatever CPU it gets). The same
@@ -35,10 +33,9 @@ class Gate:
     their turn. Threads or greenlets alike: the lock and semaphore are gevent's once gunicorn's worker has
     monkey-patched threading."""
 
-    def __init__(self, slots: int, max_wait_s: float | Callable[[], float],
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, slots: int, max_wait_s: float, clock: Callable[[], float] = time.monotonic) -> None:
         self.slots = slots
-        self._max_wait_s = max_wait_s if callable(max_wait_s) else lambda: max_wait_s
+        self.max_wait_s = max_wait_s
         self.clock = clock
         self._free = threading.Semaphore(slots)
         self._lock = threading.Lock()
@@ -78,11 +75,6 @@ class Gate:
             yield turn
         finally:
             turn.leave()
-
-    @property
-    def max_wait_s(self) -> float:
-        """The longest wait for a turn that a call starting to wait now is given."""
-        return self._max_wait_s()
 
     def _left(self, entered: float) -> None:
         self._free.release()

@@ -6,13 +6,9 @@ process; each process serves its share of them. A process already holding its sh
 so it refuses the next at once (429 queue_full with Retry-After) from this counter: before the body is read,
 before Redis or the database is asked, so that a refusal costs far less than an admission.
 
-A request the process gets to late (its *sojourn*: from its bytes' arrival to its handler, plus the wait
-expected for its turn at admission) is refused with 429 overloaded. How late is too late follows CoDel
-(Nichols and Jacobson's controlled delay): a transient line, a burst's, may grow to the long bound
-(``LLMB_DOOR_MAX_DELAY_MS``), since the calls at its head can still be answered in time; a line that has stood
-above :data:`TARGET_FRACTION` of the short bound for ``LLMB_DOOR_STANDING_AFTER_MS`` is a steady overload, and
-is cut to the short bound (``LLMB_DOOR_STANDING_DELAY_MS``), so that its excess is told fast, not after waiting
-out the long bound. The line counts as gone once a request's sojourn falls under that target.
+A request the process gets to late (from its bytes' arrival to its handler, plus the wait expected for its
+turn at admission, more than ``LLMB_DOOR_MAX_DELAY_MS``) is refused with 429 overloaded: the calls at the head of
+a burst's line can still be answered in time, the ones behind them cannot.
 """
 from __future__ import annotations
 
@@ -25,8 +21,6 @@ from typing import Protocol
 from tasks.errors import Overloaded, QueueFull
 from tasks.policy.callers import RecentCallers
 
-TARGET_FRACTION = 0.5  # a line stands while sojourns stay above this fraction of the short bound
-
 
 class Turnstile(Protocol):
     """The line for admission a request joins after the door (:class:`tasks.gateway.gate.Gate`)."""
@@ -34,34 +28,6 @@ class Turnstile(Protocol):
     def expected_wait_s(self) -> float: ...
 
     def retry_after_s(self) -> int: ...
-
-
-class DelayBound:
-    """The longest sojourn a request may have: ``long_s`` for a transient line, ``short_s`` once a line has stood
-    above ``short_s * TARGET_FRACTION`` for ``standing_after_s`` (CoDel's interval), until a sojourn falls under
-    that target again."""
-
-    def __init__(self, long_s: float, short_s: float | None = None, standing_after_s: float = 2.0) -> None:
-        self.long_s = long_s
-        self.short_s = long_s if short_s is None else min(short_s, long_s)
-        self.target_s = self.short_s * TARGET_FRACTION
-        self.standing_after_s = standing_after_s
-        self._above_since: float | None = None  # when sojourns went above the target (None: under it)
-
-    def observe(self, sojourn_s: float, now: float) -> float:
-        """Record one request's sojourn at ``now``; the bound that applies to it."""
-        if sojourn_s <= self.target_s:
-            self._above_since = None
-        elif self._above_since is None:
-            self._above_since = now
-        return self.bound(now)
-
-    def bound(self, now: float) -> float:
-        return self.short_s if self.standing(now) else self.long_s
-
-    def standing(self, now: float) -> bool:
-        """Whether a line has stood above the target for ``standing_after_s``."""
-        return self._above_since is not None and now - self._above_since >= self.standing_after_s
 
 
 @dataclass(frozen=True)
@@ -75,19 +41,19 @@ class Lateness:
 
 class Door:
     """Counts the requests this process holds; :meth:`enter` refuses beyond ``limit``, and refuses any request
-    the process got to later than its :class:`DelayBound` allows.
+    the process got to more than ``max_delay_s`` after it arrived.
 
     The delay is the process's own queue: under a burst, thousands of connections wait for the CPU between
     their accept and their handler. Admitting them anyway would let every admitted caller be answered late
     (the answers queue behind the same CPU); refusing the late ones at this point costs a fraction of an
     admission and lets the queue drain."""
 
-    def __init__(self, limit: int, retry_after_s: int, bound: DelayBound | float = float("inf"),
+    def __init__(self, limit: int, retry_after_s: int, max_delay_s: float = float("inf"),
                  clock: Callable[[], float] | None = None, gate: Turnstile | None = None,
                  backlog: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
-        self.bound = bound if isinstance(bound, DelayBound) else DelayBound(bound)
+        self.max_delay_s = max_delay_s
         self.clock = clock or time.monotonic  # tests inject theirs
         self.gate = gate  # the process's turnstile in front of admission: a request that would wait too long is refused
         self.backlog = backlog  # (connections waiting for the process, how long the oldest has waited)
@@ -95,11 +61,6 @@ class Door:
         self.last_delay_s = 0.0  # how long the last request entering waited for this process to get to it
         self.callers = RecentCallers(self.clock)
         self._lock = threading.Lock()  # gevent's own lock once gunicorn's worker has monkey-patched threading
-
-    @property
-    def max_delay_s(self) -> float:
-        """The bound that applies now."""
-        return self.bound.bound(self.clock())
 
     def enter(self, arrived_at: float | None = None, caller: str = "",
               identify: Callable[[], str] | None = None) -> None:
@@ -140,12 +101,11 @@ class Door:
         return self._behind(delay, caller, None)
 
     def lateness(self, delay: float) -> Lateness:
-        """How late a request ``delay`` behind is: late when it waited more than the bound, behind when also it
-        could not get its turn in time. Its sojourn (the delay and the expected wait) feeds the bound."""
+        """How late a request ``delay`` behind is: late when it waited more than ``max_delay_s``, behind when
+        also it could not get its turn in time."""
         wait = self.gate.expected_wait_s() if self.gate is not None else 0.0
-        bound = self.bound.observe(delay + wait, self.clock())
-        late = delay > bound
-        return Lateness(behind=late or wait > bound - delay, late=late, wait_s=wait)
+        late = delay > self.max_delay_s
+        return Lateness(behind=late or wait > self.max_delay_s - delay, late=late, wait_s=wait)
 
     def _expected_delay(self) -> float:
         """How long a request accepted now will wait for this process to get to it: while connections are still
