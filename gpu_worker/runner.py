@@ -9,6 +9,7 @@ answers its callers with a failure it cannot attribute.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import threading
@@ -198,8 +199,10 @@ class BatchRunner:
         if rejected:  # recorded first: the batch's "ok" below does not override a final status
             self.record(ItemsOutcome(batch.model, rejected, "rejected", "the model could not take this input",
                                      batch.id))
+        counted = {item.id: (int(o.get("prompt_tokens", 0)), int(o["completion_tokens"]))
+                   for item, o in zip(live, outputs) if isinstance(o, dict) and "completion_tokens" in o}
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at,
-                                 self.state.clock(), round(run_ms, 3)))
+                                 self.state.clock(), round(run_ms, 3), counted or None))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
                  extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
         return {**summary, "run_ms": round(run_ms, 1), **({"tokens_by_tenant": by_tenant} if by_tenant else {})}
@@ -236,10 +239,8 @@ class BatchRunner:
             self.give_back(batch, failure, error, blame or self.worker_id)
         except Exception as exc:
             log.error("could not hand batch %s back (%s); requeueing it", batch.id, exc)
-            try:
+            with contextlib.suppress(redis.RedisError):
                 self.claims.restore(batch.id, self.run_id)  # its redelivery is then "mine": run again, no blame
-            except redis.RedisError:
-                pass
             time.sleep(REDIS_RETRY_S[-1])  # the broker or Redis is away: do not spin on the redelivery
             raise Reject(f"could not hand the batch back: {exc}", requeue=True) from exc
         try:

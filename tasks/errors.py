@@ -22,6 +22,12 @@ class InvalidInput(BatchingError, ValueError):
     type = "invalid_request"
 
 
+class ContextLengthExceeded(InvalidInput):
+    """Raised when a prompt and its ``max_tokens`` cannot fit the model's context (OpenAI's code for it)."""
+
+    type = "context_length_exceeded"
+
+
 class Unauthorized(BatchingError):
     """Raised when a request carries no API key, or an unknown or revoked one."""
 

@@ -13,6 +13,18 @@ from enum import StrEnum
 from typing import Any
 
 
+def json_integer(value: object) -> int | None:
+    """``value`` as an integer when JSON says it is one: an int, or a float with no fraction (``5.0``, as JSON
+    Schema and OpenAI's own validation count it); None for anything else (booleans included)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 class Priority(StrEnum):
     """A call's class: interactive items go first in every batch; offline ones fill what is left and may wait."""
 
@@ -53,7 +65,7 @@ class InferenceRequest:
         return {**vars(self), "items": [{**vars(i)} for i in self.items], "params": {**self.params}}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "InferenceRequest":
+    def from_dict(cls, d: dict[str, Any]) -> InferenceRequest:
         """Decode a request message; raises ValueError on anything malformed."""
         try:
             items = tuple(Item(id=str(i["id"]), input=str(i["input"])) for i in d["items"])
@@ -111,7 +123,7 @@ class Batch:
         return {**vars(self), "items": [{**vars(i), "params": {**i.params}} for i in self.items]}
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Batch":
+    def from_dict(cls, d: dict[str, Any]) -> Batch:
         return cls(
             id=str(d["id"]), model=str(d["model"]), created_at=float(d["created_at"]),
             items=tuple(BatchItem(**{**i, "died_on": tuple(i.get("died_on") or ()),
@@ -120,10 +132,10 @@ class Batch:
             parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)),
         )
 
-    def with_items(self, items: tuple[BatchItem, ...]) -> "Batch":
+    def with_items(self, items: tuple[BatchItem, ...]) -> Batch:
         return replace(self, items=items)
 
-    def derive(self, new_id: str, items: tuple[BatchItem, ...], *, now: float) -> "Batch":
+    def derive(self, new_id: str, items: tuple[BatchItem, ...], *, now: float) -> Batch:
         """A new batch carrying some of this one's items (a half after a failure, or all of them again)."""
         return replace(self, id=new_id, items=items, created_at=now, parent_id=self.id, attempt=self.attempt + 1)
 
@@ -145,7 +157,7 @@ class ItemResult:
         return {k: v for k, v in vars(self).items() if v is not None}  # no deep copy of the output: it is encoded
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "ItemResult":
+    def from_dict(cls, d: dict[str, Any]) -> ItemResult:
         return cls(**d)
 
 
@@ -177,7 +189,7 @@ class WorkerInfo:
         return json.dumps(asdict(self))
 
     @classmethod
-    def from_json(cls, raw: str | bytes) -> "WorkerInfo":
+    def from_json(cls, raw: str | bytes) -> WorkerInfo:
         return cls(**json.loads(raw))
 
 
@@ -197,7 +209,7 @@ class BatchEvent:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, object]) -> "BatchEvent":
+    def from_dict(cls, d: dict[str, object]) -> BatchEvent:
         event = str(d["event"])
         if event not in ("started", "finished"):
             raise ValueError(f"unknown batch event {event!r}")

@@ -12,6 +12,7 @@ from flask import Blueprint, Response, g, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
 
 from tasks.errors import InvalidInput, Unavailable
+from tasks.schema import json_integer
 from tasks.state.model_load import model_report
 from webapp import tenancy
 from webapp.body import read_json
@@ -58,6 +59,8 @@ def set_tenant(name: str) -> Response:
     unknown = set(body) - {"weight", "max_in_flight", "priority"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
+    if body.get("max_in_flight") is not None and json_integer(body["max_in_flight"]) is not None:
+        body["max_in_flight"] = json_integer(body["max_in_flight"])  # 5.0 is the integer 5, as JSON counts
     kinds = {"weight": (int, float), "max_in_flight": (int,), "priority": (str,)}
     for field, value in body.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[field])):

@@ -4,6 +4,9 @@
 """
 from __future__ import annotations
 
+import functools
+import importlib.metadata
+import json
 import logging
 import time
 from dataclasses import replace
@@ -16,7 +19,7 @@ from tasks.gateway.calls import Answer
 from tasks.logs import setup_logging
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
 from tasks.state.records import Shape
-from webapp import admin_api, answers, batch_api, openai_api, requests_api, tenancy, worker
+from webapp import admin_api, answers, batch_api, openai_api, openapi, requests_api, tenancy, worker
 from webapp.accept_door import AcceptDoor, HeldFull
 from webapp.body import read_json
 from webapp.door import DoorMiddleware
@@ -31,7 +34,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     setup_logging(settings)
-    app = Flask(__name__)
+    app = Flask(__name__, static_folder=None)  # no static files: every route is an API route
     app.config["MAX_CONTENT_LENGTH"] = settings.admission.max_body_bytes
     built = Services.from_settings(settings)  # the process's one set of clients, for every route
     app.extensions[EXTENSION] = built
@@ -62,6 +65,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)
     app.add_url_rule("/metrics", view_func=metrics)
+    app.add_url_rule("/openapi.json", view_func=openapi_json)
     return app
 
 
@@ -108,6 +112,20 @@ def healthz() -> Response:
 
 def readyz() -> Response:
     return jsonify(status="ready", **services().gateway.ping())
+
+
+@functools.cache
+def _document() -> bytes:
+    try:
+        version = importlib.metadata.version("llm-batcher")
+    except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        version = "0"
+    return json.dumps(openapi.document(version, services().settings)).encode()
+
+
+def openapi_json() -> Response:
+    """The OpenAPI 3.1 document of every route (:mod:`webapp.openapi`); no key needed, as with /healthz."""
+    return Response(_document(), mimetype="application/json")
 
 
 def metrics() -> Response:

@@ -56,7 +56,7 @@ def _stores() -> tuple[FileStore, JobStore]:
         found = current_app.extensions[STORES] = (FileStore.from_settings(s.settings, s.keys.engine,
                                                                           s.gateway.clock),
                                                   JobStore.from_settings(s.settings, s.keys.engine))
-    return found  # type: ignore[no-any-return]
+    return found
 
 
 def _tenant() -> str:
@@ -168,7 +168,7 @@ def create_batch() -> Response:
     endpoint, window, metadata = body.get("endpoint"), body.get("completion_window"), body.get("metadata")
     if endpoint not in ENDPOINTS:
         raise InvalidInput(f"'endpoint' must be one of {', '.join(ENDPOINTS)}")
-    if window not in COMPLETION_WINDOWS:
+    if not isinstance(window, str) or window not in COMPLETION_WINDOWS:  # {} is not hashable: not a 500
         raise InvalidInput(f"'completion_window' must be one of {', '.join(COMPLETION_WINDOWS)}")
     if metadata is not None and (not isinstance(metadata, dict) or len(metadata) > 16 or not all(
             isinstance(k, str) and len(k) <= 64 and isinstance(v, str) and len(v) <= 512 for k, v in metadata.items())):

@@ -7,6 +7,7 @@ shape, ``{"error": {"message", "type", "param", "code"}}``.
 """
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
@@ -22,7 +23,7 @@ from tasks.state.records import Shape
 from webapp import answers, tenancy
 from webapp.body import read_json
 from webapp.errors import OPENAI, register_error_handlers
-from webapp.openai_schema import chunk, parse_chat, parse_completion, parse_embeddings
+from webapp.openai_schema import Streaming, chunk, parse_chat, parse_completion, parse_embeddings, usage_chunk
 from webapp.services import services
 from webapp.validation import asks_offline
 
@@ -73,29 +74,43 @@ def _check_model(call: Call, endpoint: str) -> None:
                            f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}")
 
 
-def _sse(call: Call, endpoint: str, shape: Shape) -> Response:
-    """Server-sent events in OpenAI's chunk format; refusals (429, 400...) happen before the stream starts. An
-    idempotent retry of a finished stream gets its whole text in one chunk."""
+def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Response:
+    """Server-sent events in OpenAI's chunk format. Refusals (429, 400...) happen before the stream starts, and
+    so does any error before the worker's first token (a prompt too long for the model's context: 400
+    context_length_exceeded, counted by the worker with the model's own tokenizer; a deadline passed in the
+    queue: 504): the response starts with the first event. An idempotent retry of a finished stream gets its
+    whole text in one chunk."""
     _check_model(call, endpoint)
     events = services().gateway.stream(call, shape=shape, idempotency=g.get("idempotency"))
     if events.replayed:
         g.request_id, g.replayed = events.request_id, True
         call = replace(call, request_id=events.request_id)
     chat = endpoint == "chat"
+    stream = iter(events)
+    try:
+        first = next(stream, None)
+    except BaseException:
+        events.close()
+        raise
+    if first is not None and first[0] == "error":
+        events.close()
+        raise first[1]
 
     def generate() -> Iterator[str]:
         sent = ""
         try:
             if chat:
-                yield _data(chunk(call, chat, {"role": "assistant", "content": ""}, None))
-            for kind, value in events:
+                yield _data(chunk(call, chat, {"role": "assistant", "content": ""}, None, streaming))
+            for kind, value in itertools.chain([first] if first is not None else [], stream):
                 if kind == "delta":
                     sent += value
-                    yield _data(chunk(call, chat, value, None))
+                    yield _data(chunk(call, chat, value, None, streaming))
                 elif kind == "done":
                     text = value.output["text"]
                     rest = text[len(sent):] if text.startswith(sent) else ""
-                    yield _data(chunk(call, chat, rest, value.output["finish_reason"]))
+                    yield _data(chunk(call, chat, rest, value.output["finish_reason"], streaming))
+                    if streaming.include_usage:
+                        yield _data(usage_chunk(call, chat, value))
                 else:
                     g.error_type = value.type
                     yield _data(OPENAI.body(value.status, value.type, value.message, g.request_id))
@@ -115,9 +130,9 @@ def _data(payload: dict[str, Any]) -> str:
 @tenancy.authenticated
 def completions() -> Response:
     call, stream = _parsed(parse_completion)
-    shape = Shape("completions", stream=stream)
-    if stream:
-        return _sse(call, "completions", shape)
+    shape = Shape("completions", stream=stream is not None)
+    if stream is not None:
+        return _sse(call, "completions", shape, stream)
     return jsonify(answers.render(shape, call.model, _run(call, "completions", shape)))
 
 
@@ -125,9 +140,9 @@ def completions() -> Response:
 @tenancy.authenticated
 def chat_completions() -> Response:
     call, stream = _parsed(parse_chat)
-    shape = Shape("chat", stream=stream)
-    if stream:
-        return _sse(call, "chat", shape)
+    shape = Shape("chat", stream=stream is not None)
+    if stream is not None:
+        return _sse(call, "chat", shape, stream)
     return jsonify(answers.render(shape, call.model, _run(call, "chat", shape)))
 
 

@@ -1,23 +1,58 @@
 """OpenAI request parsing and response shapes, without I/O (the routes are in :mod:`webapp.openai_api`).
 
 Only what this service can honour is accepted; anything else is a clear 400 rather than silently ignored
-(``n`` > 1, token-id prompts, logprobs).
+(token-id prompts; ``n`` > 1, logprobs or ``echo`` on a stream).
+
+Log-probabilities come from the worker (``logprobs`` entries in each item's output: token, logprob, the
+likeliest tokens; with ``echo`` the prompt's too) and are only shaped here: OpenAI's legacy object on
+completions (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), its ``content`` list on chat.
+
+``n`` choices of one prompt are ``n`` items of the call, each through the same caps, fairness and token budget
+as any other item; with a ``seed``, choice ``j`` samples with ``seed + j`` (see
+:func:`tasks.policy.batcher.choice_params`), so a seeded call gives the same ``n`` different samples each time,
+and its first choice is what the same call with ``n=1`` gives.
 """
 from __future__ import annotations
 
 import base64
 import json
+import math
 import struct
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput
 from tasks.gateway.calls import Call
-from tasks.schema import ItemResult
+from tasks.schema import ItemResult, json_integer
 from webapp.validation import check_model, timeout_limit_ms
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed takes
+MAX_CHOICES = 16  # most choices (n) one call may ask for
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # OpenAI's limits: completions' logprobs, chat's top_logprobs
+
+
+@dataclass(frozen=True)
+class Streaming:
+    """How a streamed call's chunks go out (a call that does not stream has none)."""
+
+    include_usage: bool = False  # stream_options.include_usage: every chunk says usage null, a last one the counts
+
+
+def streaming(body: dict[str, Any]) -> Streaming | None:
+    """The body's ``stream`` and ``stream_options``, checked as OpenAI checks them."""
+    stream, options = body.get("stream"), body.get("stream_options")
+    if stream is not None and not isinstance(stream, bool):
+        raise InvalidInput("'stream' must be true or false")
+    if options is None:
+        return Streaming() if stream else None
+    if not stream:
+        raise InvalidInput("'stream_options' is only allowed when 'stream' is true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"} \
+            or not isinstance(options.get("include_usage", False), bool):
+        raise InvalidInput("'stream_options' must be an object with at most 'include_usage' (true or false)")
+    return Streaming(include_usage=bool(options.get("include_usage")))
 
 
 def _number(body: dict[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -33,31 +68,95 @@ def _common(body: Any, settings: Settings) -> tuple[str, dict[str, Any], int]:
     if not isinstance(body, dict):
         raise InvalidInput("the body must be a JSON object")
     model = check_model(body.get("model"))
-    if body.get("n", 1) != 1:
-        raise InvalidInput("only n=1 is supported")
-    if body.get("logprobs") not in (None, False, 0):
-        raise InvalidInput("logprobs are not supported")
     timeout_ms = _number(body, "timeout_ms", settings.admission.default_timeout_ms, 1, timeout_limit_ms(settings))
-    return model, body, int(timeout_ms)
+    return model, body, math.ceil(timeout_ms)  # up, never past a limit: 300000.0001 is over 300000
 
 
-def generation_params(body: dict[str, Any], settings: Settings, *, default_max_tokens: int) -> dict[str, Any]:
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
-    if max_tokens is None:
-        max_tokens = default_max_tokens
-    is_int = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
-    if not is_int or not 1 <= max_tokens <= settings.models.max_tokens_cap:
-        raise InvalidInput(f"'max_tokens' must be an integer from 1 to {settings.models.max_tokens_cap}")
+def generation_params(body: dict[str, Any], settings: Settings, *, default_max_tokens: int,
+                      scoring: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The parameters every generation call passes to its worker; ``scoring`` those of :func:`scoring_params`
+    (``echo`` lets ``max_tokens`` be 0: scoring a given text)."""
+    scoring = scoring or {}
+    least, most = (0 if scoring.get("echo") else 1), settings.models.max_tokens_cap
+    given: dict[str, int] = {}
+    for name in ("max_tokens", "max_completion_tokens"):  # both checked: the second wins, as OpenAI's does
+        value = body.get(name)
+        if value is None:
+            continue
+        count = json_integer(value)
+        if count is None or not least <= count <= most:
+            raise InvalidInput(f"'{name}' must be an integer from {least} to {most}"
+                               + (" (0 only with 'echo', to score a given text)" if least else ""))
+        given[name] = count
+    max_tokens = given.get("max_completion_tokens", given.get("max_tokens", default_max_tokens))
     stop = body.get("stop")
     if stop is not None:
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise InvalidInput("'stop' must be a string or a list of up to 4 non-empty strings")
     seed = body.get("seed")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not SEED_MIN <= seed <= SEED_MAX):
+    if seed is not None and ((seed := json_integer(seed)) is None or not SEED_MIN <= seed <= SEED_MAX):
         raise InvalidInput(f"'seed' must be an integer from {SEED_MIN} to {SEED_MAX}")
-    return {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, "stop": stop or [], "seed": seed}
+    params = {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+              "top_p": _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, "stop": stop or [], "seed": seed,
+              **scoring}
+    n = choices(body)
+    if n > 1:  # only then: the parameters of an n=1 call stay what they were
+        params["n"] = n
+    return params
+
+
+def choices(body: dict[str, Any]) -> int:
+    """The body's ``n``: how many choices to generate for each prompt."""
+    n = body.get("n")
+    if n is None:
+        return 1
+    n = json_integer(n)
+    if n is None or not 1 <= n <= MAX_CHOICES:
+        raise InvalidInput(f"'n' must be an integer from 1 to {MAX_CHOICES}")
+    if n > 1 and body.get("stream"):
+        raise InvalidInput("'n' > 1 cannot be streamed here; ask without 'stream' for several choices")
+    return n
+
+
+def scoring_params(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
+    """What the body asks of log-probabilities, as worker parameters: ``logprobs`` (how many likeliest tokens
+    at each position) and, on completions, ``echo``. Empty when it asks for none: such a call's parameters
+    stay as they were."""
+    out = _chat_scoring(body) if chat else _completion_scoring(body)
+    if out and body.get("stream"):
+        raise InvalidInput("'logprobs' and 'echo' cannot be streamed here; ask without 'stream'")
+    return out
+
+
+def _chat_scoring(body: dict[str, Any]) -> dict[str, Any]:
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise InvalidInput("'logprobs' must be true or false")
+    if top is not None:
+        top = json_integer(top)
+        if top is None or not 0 <= top <= MAX_TOP_LOGPROBS:
+            raise InvalidInput(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}")
+        if not logprobs:
+            raise InvalidInput("'top_logprobs' needs 'logprobs': true")
+    if body.get("echo") is not None:
+        raise InvalidInput("'echo' is a /v1/completions parameter")
+    return {"logprobs": top or 0} if logprobs else {}
+
+
+def _completion_scoring(body: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    logprobs, echo = body.get("logprobs"), body.get("echo")
+    if logprobs is not None and logprobs is not False:  # false: none, as some clients send it
+        logprobs = json_integer(logprobs)
+        if logprobs is None or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise InvalidInput(f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}")
+        out["logprobs"] = logprobs
+    if echo is not None and not isinstance(echo, bool):
+        raise InvalidInput("'echo' must be true or false")
+    if echo:
+        out["echo"] = True
+    return out
 
 
 def _strings(body: dict[str, Any], name: str, settings: Settings, note: str = "") -> list[str]:
@@ -71,17 +170,21 @@ def _strings(body: dict[str, Any], name: str, settings: Settings, note: str = ""
     return texts
 
 
-def parse_completion(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, bool]:
-    """A /v1/completions body -> the call to submit, and whether it streams."""
+def parse_completion(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, Streaming | None]:
+    """A /v1/completions body -> the call to submit, and how it streams (None: it does not)."""
     model, body, timeout_ms = _common(body, settings)
     prompts = _strings(body, "prompt", settings, " (token ids are not supported)")
-    params = generation_params(body, settings, default_max_tokens=16)
-    call = Call(request_id=request_id, tenant=tenant, model=model, inputs=tuple(prompts), timeout_ms=timeout_ms,
+    params = generation_params(body, settings, default_max_tokens=16, scoring=scoring_params(body, chat=False))
+    n = params.get("n", 1)
+    if len(prompts) * n > settings.admission.max_inputs_per_call:
+        raise InvalidInput(f"at most {settings.admission.max_inputs_per_call} prompts times 'n' per call")
+    inputs = tuple(p for p in prompts for _ in range(n))  # choice index = prompt index * n + j, as OpenAI's
+    call = Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=timeout_ms,
                 params=params)
-    return call, bool(body.get("stream"))
+    return call, streaming(body)
 
 
-def parse_chat(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, bool]:
+def parse_chat(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, Streaming | None]:
     model, body, timeout_ms = _common(body, settings)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
@@ -91,11 +194,12 @@ def parse_chat(body: Any, settings: Settings, request_id: str, tenant: str) -> t
                 or not isinstance(m.get("content"), str):
             raise InvalidInput("each message needs a 'role' (system, user, assistant) and a string 'content'")
     clean = [{"role": m["role"], "content": m["content"]} for m in messages]
-    params = generation_params(body, settings, default_max_tokens=min(256, settings.models.max_tokens_cap))
+    params = generation_params(body, settings, default_max_tokens=min(256, settings.models.max_tokens_cap),
+                               scoring=scoring_params(body, chat=True))
     params["chat"] = True
-    call = Call(request_id=request_id, tenant=tenant, model=model, inputs=(json.dumps(clean),),
+    call = Call(request_id=request_id, tenant=tenant, model=model, inputs=(json.dumps(clean),) * params.get("n", 1),
                 timeout_ms=timeout_ms, params=params)
-    return call, bool(body.get("stream"))
+    return call, streaming(body)
 
 
 def parse_embeddings(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, str]:
@@ -109,7 +213,8 @@ def parse_embeddings(body: Any, settings: Settings, request_id: str, tenant: str
 
 
 # -- responses -----------------------------------------------------------------------------------------
-def _usage(results: tuple[ItemResult, ...]) -> dict[str, int]:
+def usage(results: tuple[ItemResult, ...]) -> dict[str, int]:
+    """Token counts as the workers reported them (OpenAI's ``usage``)."""
     prompt = sum(int(r.output.get("prompt_tokens", 0)) for r in results)
     completion = sum(int(r.output.get("completion_tokens", 0)) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
@@ -119,31 +224,75 @@ def completion_response(request_id: str, model: str, results: tuple[ItemResult, 
                         created: int | None = None) -> dict[str, Any]:
     created = int(time.time()) if created is None else created
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": i, "text": r.output["text"], "logprobs": None,
-                         "finish_reason": r.output["finish_reason"]} for i, r in enumerate(results)],
-            "usage": _usage(results)}
+            "choices": [{"index": i, "text": r.output.get("prompt", "") + r.output["text"],
+                         "logprobs": completion_logprobs(r.output), "finish_reason": r.output["finish_reason"]}
+                        for i, r in enumerate(results)],
+            "usage": usage(results)}
 
 
 def chat_response(request_id: str, model: str, results: tuple[ItemResult, ...],
                   created: int | None = None) -> dict[str, Any]:
-    r = results[0]
     created = int(time.time()) if created is None else created
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
-            "model": model, "choices": [{"index": 0, "logprobs": None, "finish_reason": r.output["finish_reason"],
-                                         "message": {"role": "assistant", "content": r.output["text"]}}],
-            "usage": _usage(results)}
+            "model": model, "choices": [{"index": i, "logprobs": chat_logprobs(r.output),
+                                         "finish_reason": r.output["finish_reason"],
+                                         "message": {"role": "assistant", "content": r.output["text"]}}
+                                        for i, r in enumerate(results)],
+            "usage": usage(results)}
 
 
-def chunk(call: Call, chat: bool, text: Any, finish_reason: str | None) -> dict[str, Any]:
-    """One streamed chunk; for chat, ``text`` may be a whole delta object (the opening role chunk)."""
-    created = int(time.time())
+def completion_logprobs(output: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's legacy logprobs object of one completion choice (None unless asked for); with ``echo`` the
+    prompt's tokens come first, as its text does."""
+    if "logprobs" not in output:
+        return None
+    entries = [*output.get("prompt_logprobs", []), *output["logprobs"]]
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [None if e["top"] is None else dict(e["top"]) for e in entries], "text_offset": offsets}
+
+
+def chat_logprobs(output: dict[str, Any]) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of one chat choice: each token with its bytes and its likeliest alternatives."""
+    if "logprobs" not in output:
+        return None
+
+    def token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    return {"content": [token(e["token"], e["logprob"]) | {"top_logprobs": [token(t, lp) for t, lp in e["top"] or []]}
+                        for e in output["logprobs"]], "refusal": None}
+
+
+def chunk(call: Call, chat: bool, text: Any, finish_reason: str | None,
+          streaming: Streaming | None = None) -> dict[str, Any]:
+    """One streamed chunk; for chat, ``text`` may be a whole delta object (the opening role chunk). With
+    ``include_usage`` each chunk carries ``usage: null``, as OpenAI's do."""
     if chat:
         delta = text if isinstance(text, dict) else ({"content": text} if text else {})
-        return {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": created,
-                "model": call.model, "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                                                  "finish_reason": finish_reason}]}
-    return {"id": f"cmpl-{call.request_id}", "object": "text_completion", "created": created, "model": call.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}]}
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    out = _chunk_head(call, chat) | {"choices": [choice]}
+    if streaming is not None and streaming.include_usage:
+        out["usage"] = None
+    return out
+
+
+def usage_chunk(call: Call, chat: bool, result: ItemResult) -> dict[str, Any]:
+    """The last chunk before ``[DONE]`` of a stream that asked for ``include_usage``: no choices, the counts."""
+    return _chunk_head(call, chat) | {"choices": [], "usage": usage((result,))}
+
+
+def _chunk_head(call: Call, chat: bool) -> dict[str, Any]:
+    if chat:
+        return {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
+                "model": call.model}
+    return {"id": f"cmpl-{call.request_id}", "object": "text_completion", "created": int(time.time()),
+            "model": call.model}
 
 
 def embeddings_response(model: str, results: tuple[ItemResult, ...], encoding: str) -> dict[str, Any]:

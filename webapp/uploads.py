@@ -96,5 +96,5 @@ def read_upload(store: FileStore, tenant: str, settings: Settings, started: floa
     except BaseException:
         upload.discard()
         raise
-    upload.fields = {k: form[k] for k in form}
+    upload.fields = {k: form[k] for k in form if k}  # a part with no name (werkzeug keys it None) names nothing
     return upload

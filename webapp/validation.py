@@ -1,6 +1,7 @@
 """Request validation without I/O: a JSON body in, a :class:`tasks.gateway.calls.Call` or InvalidInput out."""
 from __future__ import annotations
 
+import math
 import re
 import uuid
 from dataclasses import replace
@@ -55,7 +56,8 @@ def parse_infer(body: Any, settings: Settings, request_id: str, tenant_header: s
 
     tenant = check_tenant_name(named_tenant(body, tenant_header))
 
-    return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=int(timeout_ms),
+    # rounded up, never past a limit: 300000.0001 ms is over 300000
+    return Call(request_id=request_id, tenant=tenant, model=model, inputs=inputs, timeout_ms=math.ceil(timeout_ms),
                 priority=parse_priority(body.get("priority")))
 
 

@@ -6,7 +6,7 @@ means it is tested without a model, and neither engine imports the other to reac
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,13 +21,23 @@ class Row:
     prompt_ids: list[int]
     max_tokens: int
     stop: list[str]
+    logprobs: int | None = None  # how many likeliest tokens to give at each position (None: no logprobs)
+    echo: bool = False  # the prompt's tokens and their logprobs too (scoring a given text, max_tokens 0)
 
     @classmethod
     def from_params(cls, index: int, prompt_ids: list[int], params: Mapping[str, Any]) -> Row:
         """The API has validated ``params``; a backend called directly gets the same defaults it would."""
         stop = params.get("stop") or []
-        return cls(index, prompt_ids, int(params.get("max_tokens") or 16),
-                   [stop] if isinstance(stop, str) else list(stop))
+        max_tokens = params.get("max_tokens")
+        logprobs = params.get("logprobs")
+        return cls(index, prompt_ids, 16 if max_tokens is None else int(max_tokens),
+                   [stop] if isinstance(stop, str) else list(stop),
+                   None if logprobs is None else int(logprobs), bool(params.get("echo")))
+
+    @property
+    def scored(self) -> bool:
+        """Whether its answer carries log-probabilities (see :func:`with_logprobs`)."""
+        return self.logprobs is not None or self.echo
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -74,5 +84,32 @@ def completion(tokenizer: Any, row: Row, tokens: list[int], finish: str) -> dict
     text, stopped = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), row.stop)
     if stopped:  # count what is sent, not what was generated past the stop
         finish, tokens = "stop", tokenizer(text, add_special_tokens=False)["input_ids"]
-    return {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
-            "completion_tokens": len(tokens)}
+    out: dict[str, Any] = {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
+                           "completion_tokens": len(tokens)}
+    if row.scored:  # the tokens sent, for the backend to score (:func:`with_logprobs` takes them out again)
+        out[SCORED_IDS] = list(tokens)
+    return out
+
+
+SCORED_IDS = "_scored_ids"
+# one token's log-probability: its text, its logprob (None for a text's first token, which nothing predicts) and
+# the likeliest tokens at its position as [text, logprob] pairs, likeliest first
+Entry = dict[str, Any]
+
+
+def with_logprobs(output: dict[str, Any], row: Row, prompt: str,
+                  score: Callable[[list[int], int, int], list[Entry]]) -> dict[str, Any]:
+    """``output`` with the log-probabilities its row asked for: ``logprobs``, one entry per completion token,
+    and with ``echo`` also ``prompt`` and ``prompt_logprobs`` (one per prompt token). ``score(ids, start, top)``
+    gives the entries of ``ids[start:]`` with the ``top`` likeliest tokens at each, from the backend's model."""
+    ids = output.pop(SCORED_IDS, None)
+    if ids is None or not row.scored:
+        return output
+    everything = row.prompt_ids + ids
+    start = 0 if row.echo else len(row.prompt_ids)
+    entries = score(everything, start, row.logprobs or 0)
+    prompt_entries, entries = entries[:len(row.prompt_ids) - start], entries[len(row.prompt_ids) - start:]
+    output["logprobs"] = entries
+    if row.echo:
+        output["prompt"], output["prompt_logprobs"] = prompt, prompt_entries
+    return output

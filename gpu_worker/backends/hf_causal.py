@@ -23,7 +23,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from gpu_worker.backends import Hooks, ItemError
 from gpu_worker.backends.continuous import ContinuousEngine, EngineConfig
-from gpu_worker.backends.generation import Row, StopText, completion, cut_at_stop
+from gpu_worker.backends.generation import Entry, Row, StopText, completion, cut_at_stop, with_logprobs
 
 
 class _PerRowStop(StoppingCriteria):
@@ -142,16 +142,24 @@ class HFCausalBackend:
         hooks = hooks or Hooks()
         outputs: list[Any] = [None] * len(inputs)
         groups: dict[tuple[Any, ...], list[Row]] = {}
+        scored: dict[int, tuple[Row, str]] = {}  # rows asking for logprobs, and their prompts
         for i, (text, p) in enumerate(zip(inputs, params)):
             try:
-                ids = self.tokenizer(self.prompt_text(text, p))["input_ids"]
+                prompt = self.prompt_text(text, p)
+                ids = self.tokenizer(prompt)["input_ids"]
             except (ValueError, KeyError, TypeError) as exc:
                 outputs[i] = ItemError("invalid_request", f"cannot build the prompt: {exc}")
                 continue
             row = Row.from_params(i, ids, p)
             if len(ids) + row.max_tokens > self.max_context:
-                outputs[i] = ItemError("invalid_request", f"the prompt has {len(ids)} tokens and max_tokens is "
-                                       f"{row.max_tokens}: more than this model's context of {self.max_context}")
+                outputs[i] = ItemError("context_length_exceeded", f"the prompt has {len(ids)} tokens and "
+                                       f"max_tokens is {row.max_tokens}: more than this model's context of "
+                                       f"{self.max_context}")
+                continue
+            if row.scored:
+                scored[i] = (row, prompt)
+            if row.max_tokens == 0:  # scoring a given text (echo): nothing to generate
+                outputs[i] = completion(self.tokenizer, row, [], "length")
                 continue
             temperature = float(p.get("temperature", 1.0) if p.get("temperature") is not None else 1.0)
             key = ("greedy",) if temperature == 0 else ("sample", temperature, float(p.get("top_p") or 1.0),
@@ -163,7 +171,28 @@ class HFCausalBackend:
                 continue
             for start in range(0, len(rows), self.max_batch):
                 self._generate(key, rows[start:start + self.max_batch], outputs, hooks)
+        for i, (row, prompt) in scored.items():
+            if isinstance(outputs[i], dict):
+                outputs[i] = with_logprobs(outputs[i], row, prompt, self._score)
         return outputs
+
+    def _score(self, ids: list[int], start: int, top: int) -> list[Entry]:
+        """Log-probabilities of ``ids[start:]`` from one forward pass of the model over ``ids`` (alone: no
+        padding, so the figures are those of a direct forward pass), with the ``top`` likeliest tokens at each
+        position. They are the model's own distribution, before temperature or top_p (as vLLM gives them)."""
+        logits = self.model(input_ids=torch.tensor([ids], device=self.device)).logits[0].float()
+        logprobs = torch.log_softmax(logits, dim=-1)
+        entries: list[Entry] = []
+        for t in range(start, len(ids)):
+            if t == 0:
+                entries.append({"token": self.tokenizer.decode([ids[0]]), "logprob": None, "top": None})
+                continue
+            row = logprobs[t - 1]
+            best = torch.topk(row, top) if top else None
+            entries.append({"token": self.tokenizer.decode([ids[t]]), "logprob": float(row[ids[t]]),
+                            "top": [] if best is None else [[self.tokenizer.decode([k]), float(v)] for v, k in
+                                                            zip(best.values.tolist(), best.indices.tolist())]})
+        return entries
 
     def _generate(self, key: tuple[Any, ...], rows: list[Row], outputs: list[Any], hooks: Hooks) -> None:
         width = max(len(r.prompt_ids) for r in rows)

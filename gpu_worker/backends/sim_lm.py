@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from gpu_worker.backends import Hooks, ItemError
-from gpu_worker.backends.generation import Row
+from gpu_worker.backends.generation import Entry, Row, completion, with_logprobs
 from gpu_worker.backends.sim_lm_engine import (
     DEFAULT_KV_TOKENS,
     LLAMA2_7B,
@@ -38,7 +38,7 @@ from gpu_worker.backends.sim_lm_engine import (
     run_static,
     static_groups,
 )
-from gpu_worker.backends.sim_lm_text import SimTokenizer, Text, sampling_key
+from gpu_worker.backends.sim_lm_text import VOCAB, SimTokenizer, Text, sampling_key, sim_logprobs
 
 log = logging.getLogger("llmb.worker")
 
@@ -117,8 +117,8 @@ class SimLMBackend:
             return ItemError("invalid_request", f"cannot build the prompt: {exc}")
         row = Row.from_params(index, self.tokenizer.encode(prompt), params)
         if len(row.prompt_ids) + row.max_tokens > self.max_context:
-            return ItemError("invalid_request", f"the prompt has {len(row.prompt_ids)} tokens and max_tokens is "
-                             f"{row.max_tokens}: more than this model's context of {self.max_context}")
+            return ItemError("context_length_exceeded", f"the prompt has {len(row.prompt_ids)} tokens and "
+                             f"max_tokens is {row.max_tokens}: more than this model's context of {self.max_context}")
         temperature = float(params["temperature"]) if params.get("temperature") is not None else 1.0
         key = sampling_key(temperature, float(params.get("top_p") or 1.0), params.get("seed"),
                            lambda: os.urandom(16))
@@ -139,14 +139,39 @@ class SimLMBackend:
         hooks = hooks or Hooks()
         outputs: list[Any] = [None] * len(inputs)
         seqs: list[Seq] = []
+
+        def finished(index: int, output: dict[str, Any]) -> dict[str, Any]:
+            """A row's answer as written: with the log-probabilities it asked for (before its early write)."""
+            row = seqs_by_index[index].row
+            return self._scored(output, row, inputs[index], params[index]) if row.scored else output
+
+        seqs_by_index: dict[int, Seq] = {}
         for i, (text, p) in enumerate(zip(inputs, params)):
             made = self._seq(i, text, p, hooks)
             if isinstance(made, ItemError):
                 outputs[i] = made
+                continue
+            seqs_by_index[i] = made
+            if made.row.max_tokens == 0:  # scoring a given text (echo): nothing to generate
+                outputs[i] = finished(i, completion(self.tokenizer, made.row, [], "length"))
             else:
                 seqs.append(made)
-        if not seqs:
-            return outputs
+        if seqs:
+            self._run_seqs(seqs, outputs, hooks, finished)
+        return outputs
+
+    def _scored(self, output: dict[str, Any], row: Row, text: str, params: Mapping[str, Any]) -> dict[str, Any]:
+        """``output`` with the log-probabilities it asked for (:func:`sim_logprobs`: deterministic)."""
+        prompt = self.prompt_text(text, params)
+        pieces = self.tokenizer.pieces(prompt)
+
+        def score(ids: list[int], start: int, top: int) -> list[Entry]:
+            return sim_logprobs(pieces + [VOCAB[i] for i in ids[len(pieces):]], start, top)
+
+        return with_logprobs(output, row, prompt, score)
+
+    def _run_seqs(self, seqs: list[Seq], outputs: list[Any], hooks: Hooks,
+                  finished: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
         inbox: queue.SimpleQueue[Event] = queue.SimpleQueue()
         for seq in seqs:
             seq.sink = inbox.put
@@ -157,10 +182,10 @@ class SimLMBackend:
                 for seq in seqs:
                     self.engine.add(seq)
                 self._cond.notify_all()
-        self._collect(inbox, len(seqs), outputs, hooks)
-        return outputs
+        self._collect(inbox, len(seqs), outputs, hooks, finished)
 
-    def _collect(self, inbox: queue.SimpleQueue[Event], pending: int, outputs: list[Any], hooks: Hooks) -> None:
+    def _collect(self, inbox: queue.SimpleQueue[Event], pending: int, outputs: list[Any], hooks: Hooks,
+                 finished: Callable[[int, dict[str, Any]], dict[str, Any]]) -> None:
         """Hand each step's deltas to the stream and each finished row to ``outputs``, in this (the batch's)
         thread: publishing never holds up the device."""
         while pending:
@@ -177,7 +202,7 @@ class SimLMBackend:
                 if kind == "error":  # the simulator itself failed: the batch goes back, as on a model fault
                     raise RuntimeError(f"simulated device failed: {output}")
                 if kind == "done":
-                    outputs[index] = output
+                    outputs[index] = output = finished(index, output)
                     hooks.done(index, output)
                     pending -= 1
 

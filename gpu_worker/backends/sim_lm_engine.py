@@ -137,7 +137,7 @@ class Seq:
             if delta and self.streaming:
                 events.append(("delta", self.row.index, delta))
             if self.rule.stopped:
-                return events + [self.finish(tokenizer, "stop")]
+                return [*events, self.finish(tokenizer, "stop")]
         if len(self.tokens) >= self.row.max_tokens:
             events.append(self.finish(tokenizer, "length"))
         return events

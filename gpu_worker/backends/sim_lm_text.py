@@ -12,7 +12,7 @@ _PIECES = re.compile(r" ?\w+| ?[^\w\s]|\s")
 _CONSONANTS, _VOWELS = "bdfghklmnprstvz", "aeiou"
 _SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]
 WORDS = [" " + a for a in _SYLLABLES] + [" " + a + b for a in _SYLLABLES for b in _SYLLABLES]
-VOCAB = [".", ","] + WORDS  # token id -> text; every entry is one token to the tokeniser
+VOCAB = [".", ",", *WORDS]  # token id -> text; every entry is one token to the tokeniser
 
 
 class SimTokenizer:
@@ -77,3 +77,29 @@ class Text:
             return 1
         u = (self._hash(b"eos") + 1) / 2.0**64  # in (0, 1]
         return 1 + int(math.log(u) / math.log(1 - 1 / mean))
+
+
+def sim_logprobs(pieces: Sequence[str], start: int, top: int) -> list[dict[str, object]]:
+    """Log-probabilities for sim-lm's tokens ``pieces[start:]`` (token texts), deterministic functions of the text
+    up to each token: the token there has probability 0.4-0.999 and is the likeliest (as the greedy decoding that
+    picked it would have it); the ``top`` likeliest are it and other words of the vocabulary, sharing what is
+    left, halving each time, so each position's probabilities sum to at most 1. The first token of a text has
+    none (nothing predicts it), as in OpenAI's answers."""
+    entries: list[dict[str, object]] = []
+    for t in range(start, len(pieces)):
+        if t == 0:
+            entries.append({"token": pieces[0], "logprob": None, "top": None})
+            continue
+        digest = hashlib.blake2b("".join(pieces[:t + 1]).encode(), digest_size=16).digest()
+        h = int.from_bytes(digest, "big")
+        p = 0.4 + 0.599 * (h % 10_000) / 10_000
+        likeliest: list[list[object]] = [[pieces[t], math.log(p)]]
+        seen, k = {pieces[t]}, 0
+        while len(likeliest) < top:
+            k += 1
+            word = WORDS[(h >> (7 * k)) % len(WORDS)] if k < 18 else f" alt{k}"
+            if word not in seen:
+                seen.add(word)
+                likeliest.append([word, math.log((1 - p) * 0.5 ** len(likeliest))])
+        entries.append({"token": pieces[t], "logprob": math.log(p), "top": likeliest[:top]})
+    return entries

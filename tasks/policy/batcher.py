@@ -21,6 +21,7 @@ import uuid
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tasks.policy import tokens
 from tasks.policy.fairness import FairBuffer, Waiting
@@ -121,11 +122,11 @@ class Batcher:
         buffer = self.buffers.get(request.model)
         if buffer is None:
             buffer = self.buffers[request.model] = self._new_buffer()
-        for item in request.items:
+        for index, item in enumerate(request.items):
             entry = _Entry(
                 BatchItem(id=item.id, request_id=request.id, input=item.input, deadline=request.deadline,
                           accepted_at=request.accepted_at, reply_to=request.reply_to, tenant=request.tenant,
-                          params=request.params, priority=request.priority),
+                          params=choice_params(request.params, index), priority=request.priority),
                 delivery,
             )
             buffer.add(entry, now=now, deadline=request.deadline + offset, tenant=request.tenant,
@@ -355,3 +356,17 @@ def _size(entry: _Entry) -> int:
     the batch limit leaves RabbitMQ's own 128 MiB limit far away)."""
     text = entry.item.input
     return ITEM_OVERHEAD_BYTES + (len(text) if text.isascii() else 6 * len(text))
+
+
+SEED_SPAN = 2**64  # torch.manual_seed takes -2**63 .. 2**64 - 1
+
+
+def choice_params(params: dict[str, Any], index: int) -> dict[str, Any]:
+    """The parameters of the ``index``-th item of a call: a seeded call asking for ``n`` choices of each prompt
+    samples choice ``j`` (``index % n``) with ``seed + j``, so its choices differ yet come out the same each
+    time, the first as with ``n=1``; any other call's items share its parameters as they are."""
+    n, seed = params.get("n", 1), params.get("seed")
+    if n <= 1 or seed is None or index % n == 0:
+        return params
+    seeded = seed + index % n
+    return {**params, "seed": seeded if seeded < SEED_SPAN else seeded - SEED_SPAN}

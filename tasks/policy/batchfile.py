@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from tasks.errors import InvalidInput
+from tasks.schema import json_integer
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/infer")
 COMPLETION_WINDOWS = {"24h": 24 * 3600.0}
@@ -110,7 +111,7 @@ def read_lines(source: IO[bytes], max_bytes: int) -> Iterator[tuple[int, bytes |
     number = 0
     while raw := source.readline(max_bytes + 1):
         number += 1
-        if len(raw) <= max_bytes or raw.endswith(b"\n") and len(raw) == max_bytes + 1:
+        if len(raw) <= max_bytes or (raw.endswith(b"\n") and len(raw) == max_bytes + 1):
             yield number, raw
             continue
         while not raw.endswith(b"\n") and (raw := source.readline(SKIP_CHUNK)):
@@ -277,7 +278,8 @@ def expiry_s(value: Any, field: str) -> int:
     seconds = value["seconds"]
     if isinstance(seconds, str) and seconds.strip().isdigit() and len(seconds) < 12:
         seconds = int(seconds)  # multipart form fields are text
-    if isinstance(seconds, bool) or not isinstance(seconds, int) or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
+    seconds = json_integer(seconds)
+    if seconds is None or not MIN_EXPIRY_S <= seconds <= MAX_EXPIRY_S:
         raise InvalidInput(f"'{field}.seconds' must be an integer from {MIN_EXPIRY_S} (1 hour) to {MAX_EXPIRY_S} "
                            "(30 days)")
     return seconds

@@ -18,6 +18,7 @@ from typing import Any
 
 from tasks.errors import (
     BatchingError,
+    ContextLengthExceeded,
     DeadlineExceeded,
     InferenceFailed,
     InvalidInput,
@@ -50,6 +51,7 @@ FULL_HOLD_S = 0.02
 # Error types a worker or the batcher writes into an item's result, and what the caller gets for each.
 ERRORS: dict[str, type[BatchingError]] = {
     InvalidInput.type: InvalidInput,
+    ContextLengthExceeded.type: ContextLengthExceeded,
     PoisonInput.type: PoisonInput,
     RetriesExhausted.type: RetriesExhausted,
     InferenceFailed.type: InferenceFailed,

@@ -16,9 +16,9 @@ from __future__ import annotations
 import functools
 import json
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import (
@@ -42,7 +42,7 @@ FINAL_STATUSES = ("ok", "poison", "expired", "exhausted", "rejected")
 
 
 def ts(epoch: float | None) -> datetime | None:
-    return None if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc)
+    return None if epoch is None else datetime.fromtimestamp(epoch, tz=UTC)
 
 
 # -- events: what processes hand to the writer, one per batch -------------------------------------------
@@ -58,6 +58,7 @@ class BatchOutcome:
     started_at: float | None = None
     finished_at: float | None = None
     run_ms: float | None = None
+    tokens: Mapping[str, tuple[int, int]] | None = None  # ran: item id -> (prompt, completion) tokens it took
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ class Ledger:
             writes = [self._upsert(QuarantineRecord, [{
                 "input_hash": ev.digest, "model": ev.model, "reason": ev.reason, "batch_id": ev.batch_id,
                 "request_id": ev.item.id, "input": ev.item.input if self.store_inputs else None,
-                "created_at": datetime.now(timezone.utc), "released_at": None}], "input_hash")]
+                "created_at": datetime.now(UTC), "released_at": None}], "input_hash")]
         elif isinstance(ev, Released):
             writes = [self._released(ev.digest)]
         else:
@@ -186,13 +187,14 @@ class Ledger:
                          ("batch_id", "request_id"), update=False),
             self._requests(b.model, b.items, ev.item_status, ev.error if not done else None, b.id,
                            started_at=ev.started_at, finished_at=ev.finished_at if done else None,
-                           run_ms=ev.run_ms if done else None),
+                           run_ms=ev.run_ms if done else None, tokens=ev.tokens if done else None),
         ]
 
     def _requests(self, model: str, items: Iterable[BatchItem], status: str, error: str | None,
                   batch_id: str | None, *, started_at: float | None = None, finished_at: float | None = None,
-                  run_ms: float | None = None) -> _Write:
+                  run_ms: float | None = None, tokens: Mapping[str, tuple[int, int]] | None = None) -> _Write:
         now = time.time()
+        tokens = tokens or {}
         rows = [{
             "id": i.id, "correlation_id": i.request_id, "tenant": i.tenant, "model": model, "status": status,
             "input_hash": input_hash(model, i.input), "input": i.input if self.store_inputs else None,
@@ -200,7 +202,8 @@ class Ledger:
             "error": error, "batch_id": batch_id, "accepted_at": ts(i.accepted_at),
             "finished_at": ts(finished_at if finished_at is not None else now),
             "queued_ms": None if started_at is None else round((started_at - i.accepted_at) * 1000, 3),
-            "run_ms": run_ms} for i in items]
+            "run_ms": run_ms, "prompt_tokens": tokens[i.id][0] if i.id in tokens else None,
+            "completion_tokens": tokens[i.id][1] if i.id in tokens else None} for i in items]
         return self._upsert(RequestRecord, rows, "id", keep_final_status=True)
 
     def _upsert(self, model: type[Base], rows: list[dict[str, Any]], key: str | tuple[str, ...],
@@ -218,7 +221,7 @@ class Ledger:
 
     def _released(self, digest: str) -> _Write:
         return _Write(QuarantineRecord.__tablename__, _release_statement(),
-                      [{"b_hash": digest, "b_at": datetime.now(timezone.utc)}], ("b_hash",))
+                      [{"b_hash": digest, "b_at": datetime.now(UTC)}], ("b_hash",))
 
 
 @functools.cache
@@ -251,7 +254,7 @@ def _release_statement() -> Any:
 
 def _utc(at: datetime) -> datetime:
     """SQLite hands back naive datetimes; the ledger writes UTC."""
-    return at if at.tzinfo is not None else at.replace(tzinfo=timezone.utc)
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
 
 
 def first_line(exc: BaseException) -> str:

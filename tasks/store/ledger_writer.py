@@ -8,6 +8,7 @@ refused rows are lost.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import queue
@@ -81,10 +82,8 @@ class LedgerWriter:
 
     def _drop(self, n: int) -> None:
         self.dropped += n
-        try:
+        with contextlib.suppress(Exception):  # counting is best effort
             self.on_drop(n)
-        except Exception:  # counting is best effort
-            pass
 
     def _run(self) -> None:
         while True:

@@ -83,6 +83,9 @@ class RequestRecord(Base):
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     queued_ms: Mapped[float | None] = mapped_column(Float)
     run_ms: Mapped[float | None] = mapped_column(Float)
+    # generation: the tokens the worker counted (the same figures as the call's OpenAI usage)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class BatchRecord(Base):
