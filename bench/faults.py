@@ -227,7 +227,7 @@ def row_of(key: str, title: str, report: LoadReport, held: int | None, notes: li
 
 def table(rows: list[dict[str, Any]], args: argparse.Namespace, rate: float, capacity: float,
           broker_note: str) -> str:
-    date = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    date = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
     lines = [f"# Faults under load, {date[:10]}", "",
              f"{args.workers} sim worker(s), {args.batch_ms:g} ms per batch of up to {args.max_batch} (capacity "
              f"{capacity:g} requests/s), {args.web_workers} gunicorn process(es); steady open-loop load of "

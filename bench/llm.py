@@ -55,7 +55,7 @@ from bench.serving.workers import start_stack
 
 def build_report(args: argparse.Namespace) -> dict[str, Any]:
     calls = arrivals(args.requests, args.rate, args.min_tokens, args.max_tokens, args.seed)
-    report: dict[str, Any] = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    report: dict[str, Any] = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                               "machine": machine(), "config": {k: v for k, v in vars(args).items() if k != "json"},
                               "lm": {}, "embeddings": {}}
     tmp = Path(tempfile.mkdtemp(prefix="llmb-bench-llm-"))

@@ -23,8 +23,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
+from tests.harness.helpers import decoded
 from tests.harness.stack import Stack, free_port, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,10 +74,17 @@ def cpu_seconds(groups: dict[int, str]) -> float:
     return sum(cpu_by_process(groups).values())  # the system's processes and the services it uses
 
 
-def batch_metrics(stack: Stack) -> dict[str, float]:
+class BatchMetrics(TypedDict):
+    batches: float
+    items: float
+    busy_s: float
+    buckets: dict[str, float]  # batch size bucket -> batches
+
+
+def batch_metrics(stack: Stack) -> BatchMetrics:
     """Batches run, items in them and device seconds, from the workers' Redis histograms."""
-    sizes = {k.decode(): float(v) for k, v in stack.redis.hgetall(f"{stack.namespace}:metrics:batch_size").items()}
-    runs = {k.decode(): float(v) for k, v in
+    sizes = {decoded(k): float(v) for k, v in stack.redis.hgetall(f"{stack.namespace}:metrics:batch_size").items()}
+    runs = {decoded(k): float(v) for k, v in
             stack.redis.hgetall(f"{stack.namespace}:metrics:batch_run_seconds").items()}
     return {"batches": sum(v for k, v in sizes.items() if k != "sum"), "items": sizes.get("sum", 0.0),
             "busy_s": runs.get("sum", 0.0), "buckets": {k: v for k, v in sizes.items() if k != "sum"}}
@@ -275,7 +283,7 @@ def machine() -> str:
 
 def write_report(bench: Bench, plots: bool) -> None:
     a, out = bench.args, bench.out
-    report = {"date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), "machine": machine(),
+    report = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
               "config": {k: v for k, v in vars(a).items() if k != "out"}, "capacity_rps": bench.capacity,
               "scenarios": bench.results,
               "targets": [{"target": t, "limit": lim, "measured": m, "met": ok} for t, lim, m, ok in targets(bench)]}

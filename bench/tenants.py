@@ -49,7 +49,7 @@ def load(stack: Stack, name: str, rate: float, duration: float, timeout_ms: int,
 
 def result(stack: Stack, name: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:
     proc.wait(timeout=600)
-    return json.loads((stack.tmp / f"{name}.json").read_text())  # type: ignore[no-any-return]
+    return json.loads((stack.tmp / f"{name}.json").read_text())
 
 
 def fairness(out: Path, fair: bool) -> dict[str, Any]:

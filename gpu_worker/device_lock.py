@@ -21,6 +21,7 @@ refused.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -29,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import redis
 from amqp.exceptions import ResourceLocked
@@ -104,7 +106,7 @@ def process_start(pid: int) -> int | None:
     """The start time of process ``pid`` in clock ticks since boot (Linux), None if it does not run or is not
     known here."""
     try:
-        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
         return None
     return None if fields[0] == "Z" else int(fields[19])
@@ -241,10 +243,8 @@ class DeviceLock:
             connection = self._connection
             assert connection is not None
             try:
-                try:
+                with contextlib.suppress(TimeoutError):
                     connection.drain_events(timeout=tick)
-                except socket.timeout:
-                    pass
                 connection.heartbeat_check()
             except Exception as exc:  # the connection is gone, and the queue with it: take it again
                 if self._stop.is_set():

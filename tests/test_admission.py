@@ -9,10 +9,10 @@ import pytest
 import redis
 
 from tasks.policy.capacity import deadline_cap, recommended_workers, retry_after_s
-from tasks.schema import WorkerInfo
+from tasks.schema import Priority, WorkerInfo
 from tasks.state.admission import Admission, AdmitCall, CollectCall, Ticket, Verdict
 from tasks.state.model_load import model_load
-from tests.admitting import collect, try_admit
+from tests.harness.admitting import collect, try_admit
 from tests.harness.stack import REDIS_URL, wait_for
 
 
@@ -67,9 +67,10 @@ def test_a_refusal_for_room_says_how_much_is_ahead() -> None:
     ns = f"adm{uuid.uuid4().hex[:8]}"
     adm = Admission(client, f"{ns}:inflight", 1000, f"{ns}:quarantine", instance="api-1")
 
-    def admit(n: int, ticket: Ticket, **caps: int) -> tuple[Verdict, int]:
+    def admit(n: int, ticket: Ticket, *, model_cap: int, tenant_cap: int) -> tuple[Verdict, int]:
         ids = [uuid.uuid4().hex for _ in range(n)]
-        decision = try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, **caps)
+        decision = try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=model_cap,
+                             tenant_cap=tenant_cap)
         return decision.verdict, decision.ahead
 
     try:
@@ -95,7 +96,7 @@ def test_admission_caps_against_the_real_redis() -> None:
     ns = f"adm{uuid.uuid4().hex[:8]}"
     adm = Admission(client, f"{ns}:inflight", 1000, f"{ns}:quarantine", instance="api-1")
     now = time.time()
-    chat, job = Ticket("chat", "sim"), Ticket("batch-job", "sim", "offline")
+    chat, job = Ticket("chat", "sim"), Ticket("batch-job", "sim", Priority.OFFLINE)
 
     def admit(ticket: Ticket, n: int, *, model_cap: int = 10, tenant_cap: int = 100, timeout_s: float = 30
               ) -> tuple[Verdict, list[str]]:
@@ -155,8 +156,8 @@ def test_offline_items_have_their_own_global_cap(ns: tuple[redis.Redis, str]) ->
         return try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=1000,
                          tenant_cap=1000)[0]
 
-    assert admit(Ticket("job", "sim", "offline"), 50) is Verdict.OK
-    assert admit(Ticket("job", "sim", "offline"), 1) is Verdict.FULL
+    assert admit(Ticket("job", "sim", Priority.OFFLINE), 50) is Verdict.OK
+    assert admit(Ticket("job", "sim", Priority.OFFLINE), 1) is Verdict.FULL
     assert admit(Ticket("chat", "sim"), 10) is Verdict.OK  # the offline backlog leaves interactive room alone
     assert admit(Ticket("chat", "sim"), 1) is Verdict.FULL
 
@@ -166,7 +167,7 @@ def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: 
     client, prefix = ns
     dead = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="dead", lease_s=0.2)
     alive = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine", instance="alive", lease_s=5)
-    for ticket in (Ticket("t", "sim"), Ticket("job", "sim", "offline")):
+    for ticket in (Ticket("t", "sim"), Ticket("job", "sim", Priority.OFFLINE)):
         ids = [uuid.uuid4().hex for _ in range(5)]
         assert try_admit(dead, ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
                          model_cap=100)[0] is Verdict.OK
@@ -241,7 +242,7 @@ def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_pa
     adm.release(lm, [first[1]])
     assert adm.tokens_held("lm") == 4000
 
-    short, verdict = admit([500], timeout_s=0.2)
+    _short, verdict = admit([500], timeout_s=0.2)
     assert verdict is Verdict.OK and adm.tokens_held("lm") == 4500
     wait_for(lambda: admit([0])[1] is Verdict.OK and adm.tokens_held("lm") == 4000, 10,
              "the expired item's tokens to be purged at the next admission")

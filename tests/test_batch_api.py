@@ -13,7 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import requests
@@ -29,6 +29,9 @@ if os.environ.get("CI"):
 else:
     openai = pytest.importorskip("openai", reason="bin/test installs the test extra (the official openai client)")
 
+if TYPE_CHECKING:
+    from openai.types import Batch, BatchError, BatchRequestCounts
+
 POISON = "__poison_line__"
 
 
@@ -42,13 +45,13 @@ def jobs_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-def client(stack: Stack, tenant: str) -> "openai.OpenAI":
+def client(stack: Stack, tenant: str) -> openai.OpenAI:
     key = stack.admin("keys", "create", tenant).stdout.strip()
     return openai.OpenAI(base_url=stack.url + "/v1", api_key=key, max_retries=0, timeout=30)
 
 
 @pytest.fixture(scope="module")
-def alice(jobs_stack: Stack) -> "openai.OpenAI":
+def alice(jobs_stack: Stack) -> openai.OpenAI:
     return client(jobs_stack, "alice")
 
 
@@ -61,14 +64,33 @@ def infer_lines(texts: list[str], model: str | None = None) -> list[dict[str, An
              "body": {"input": t, **({"model": model} if model else {})}} for i, t in enumerate(texts)]
 
 
-def submit(c: "openai.OpenAI", lines: list[dict[str, Any]], endpoint: str = "/v1/infer") -> Any:
+def create(c: openai.OpenAI, input_file_id: str, endpoint: str = "/v1/infer", **options: Any) -> Batch:
+    """A batch of an uploaded file, to ``endpoint`` (the client's endpoint type lists OpenAI's routes, not this
+    server's /v1/infer)."""
+    return c.batches.create(input_file_id=input_file_id, endpoint=endpoint,  # type: ignore[arg-type]
+                            completion_window="24h", **options)
+
+
+def submit(c: openai.OpenAI, lines: list[dict[str, Any]], endpoint: str = "/v1/infer") -> Batch:
     f = c.files.create(file=("input.jsonl", jsonl(lines)), purpose="batch")
-    return c.batches.create(input_file_id=f.id, endpoint=endpoint, completion_window="24h")  # type: ignore[arg-type]
+    return create(c, f.id, endpoint)
 
 
-def finished(c: "openai.OpenAI", batch_id: str, timeout_s: float = 60, states: tuple[str, ...] = (
-        "completed", "failed", "cancelled", "expired")) -> Any:
-    found: list[Any] = []
+def counts(batch: Batch) -> BatchRequestCounts:
+    """A batch's request counts (the client types them optional; this server always sends them)."""
+    assert batch.request_counts is not None, batch
+    return batch.request_counts
+
+
+def batch_errors(batch: Batch) -> list[BatchError]:
+    """A failed batch's errors (the client types them optional)."""
+    assert batch.errors is not None and batch.errors.data is not None, batch
+    return batch.errors.data
+
+
+def finished(c: openai.OpenAI, batch_id: str, timeout_s: float = 60, states: tuple[str, ...] = (
+        "completed", "failed", "cancelled", "expired")) -> Batch:
+    found: list[Batch] = []
 
     def done() -> bool:
         found[:] = [c.batches.retrieve(batch_id)]
@@ -78,7 +100,7 @@ def finished(c: "openai.OpenAI", batch_id: str, timeout_s: float = 60, states: t
     return found[0]
 
 
-def read(c: "openai.OpenAI", file_id: str | None) -> list[dict[str, Any]]:
+def read(c: openai.OpenAI, file_id: str | None) -> list[dict[str, Any]]:
     return [json.loads(x) for x in c.files.content(file_id).text.splitlines()] if file_id else []
 
 
@@ -90,14 +112,14 @@ def ledger_runs(stack: Stack, batch_id: str) -> Counter[str]:
         return Counter({cid: int(n) for cid, n in rows})
 
 
-def test_a_batch_completes_with_one_output_or_error_per_line(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_a_batch_completes_with_one_output_or_error_per_line(jobs_stack: Stack, alice: openai.OpenAI) -> None:
     texts = [f"batch text {i}" for i in range(1000)]
     texts[557] = f"this one is {POISON}"
     batch = submit(alice, infer_lines(texts))
     assert batch.status == "validating" and batch.endpoint == "/v1/infer" and batch.completion_window == "24h"
     done = finished(alice, batch.id)
     assert done.status == "completed", done
-    assert (done.request_counts.total, done.request_counts.completed, done.request_counts.failed) == (1000, 999, 1)
+    assert (counts(done).total, counts(done).completed, counts(done).failed) == (1000, 999, 1)
     assert done.in_progress_at and done.finalizing_at and done.completed_at and done.expires_at
 
     outputs, errors = read(alice, done.output_file_id), read(alice, done.error_file_id)
@@ -112,6 +134,7 @@ def test_a_batch_completes_with_one_output_or_error_per_line(jobs_stack: Stack, 
     assert poison["custom_id"] == "line-557" and poison["response"]["status_code"] == 422
     assert poison["response"]["body"]["error"]["type"] == "poison_input"
 
+    assert done.output_file_id is not None
     out_file = alice.files.retrieve(done.output_file_id)
     assert out_file.purpose == "batch_output" and out_file.bytes > 0
 
@@ -124,7 +147,7 @@ def test_a_batch_completes_with_one_output_or_error_per_line(jobs_stack: Stack, 
 
 
 def test_lines_run_as_their_endpoint_would_and_invalid_ones_are_errors(jobs_stack: Stack,
-                                                                       alice: "openai.OpenAI") -> None:
+                                                                       alice: openai.OpenAI) -> None:
     lines = [{"custom_id": f"chat-{i}", "method": "POST", "url": "/v1/chat/completions",
               "body": {"model": "sim-lm", "max_tokens": 8, "messages": [{"role": "user", "content": f"hi {i}"}]}}
              for i in range(10)]
@@ -133,7 +156,7 @@ def test_lines_run_as_their_endpoint_would_and_invalid_ones_are_errors(jobs_stac
     lines.append({"custom_id": "no-messages", "method": "POST", "url": "/v1/chat/completions",
                   "body": {"model": "sim-lm"}})
     done = finished(alice, submit(alice, lines, "/v1/chat/completions").id)
-    assert done.status == "completed" and done.request_counts.completed == 10 and done.request_counts.failed == 2
+    assert done.status == "completed" and counts(done).completed == 10 and counts(done).failed == 2
     outputs = read(alice, done.output_file_id)
     for x in outputs:
         body = x["response"]["body"]
@@ -144,23 +167,22 @@ def test_lines_run_as_their_endpoint_would_and_invalid_ones_are_errors(jobs_stac
     assert errors["no-messages"]["status_code"] == 400
     assert set(errors["no-messages"]["body"]["error"]) == {"message", "type", "param", "code"}  # OpenAI's shape
 
-    bad = infer_lines(["a", "b"]) + [{"custom_id": "line-0", "method": "POST", "url": "/v1/infer", "body": {}},
-                                     {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}]
+    bad = [*infer_lines(["a", "b"]), {"custom_id": "line-0", "method": "POST", "url": "/v1/infer", "body": {}},
+           {"custom_id": "x", "method": "POST", "url": "/v1/embeddings", "body": {}}]
     failed = finished(alice, submit(alice, bad).id)
     assert failed.status == "failed" and failed.output_file_id is None
-    assert [(e.line, e.code) for e in failed.errors.data] == [(3, "duplicate_custom_id"), (4, "mismatched_endpoint")]
+    assert [(e.line, e.code) for e in batch_errors(failed)] == [(3, "duplicate_custom_id"), (4, "mismatched_endpoint")]
 
 
-def test_files_and_batches_belong_to_their_tenant(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_files_and_batches_belong_to_their_tenant(jobs_stack: Stack, alice: openai.OpenAI) -> None:
     bob = client(jobs_stack, "bob")
     mine = alice.files.create(file=("a.jsonl", jsonl(infer_lines(["x"]))), purpose="batch")
     assert alice.files.retrieve(mine.id).filename == "a.jsonl"
     assert alice.files.content(mine.id).text == jsonl(infer_lines(["x"])).decode()
-    batch = alice.batches.create(input_file_id=mine.id, endpoint="/v1/infer", completion_window="24h")
+    batch = create(alice, mine.id)
     for attempt in (lambda: bob.files.retrieve(mine.id), lambda: bob.files.content(mine.id),
                     lambda: bob.files.delete(mine.id), lambda: bob.batches.retrieve(batch.id),
-                    lambda: bob.batches.cancel(batch.id),
-                    lambda: bob.batches.create(input_file_id=mine.id, endpoint="/v1/infer", completion_window="24h")):
+                    lambda: bob.batches.cancel(batch.id), lambda: create(bob, mine.id)):
         with pytest.raises(openai.NotFoundError):
             attempt()
     assert batch.id not in {b.id for b in bob.batches.list()}
@@ -171,8 +193,7 @@ def test_files_and_batches_belong_to_their_tenant(jobs_stack: Stack, alice: "ope
     assert finished(alice, batch.id).status == "completed"
 
     # pages of the tenant's batches, newest first, the official client following the cursor
-    more = [alice.batches.create(input_file_id=mine.id, endpoint="/v1/infer", completion_window="24h").id
-            for _ in range(3)]
+    more = [create(alice, mine.id).id for _ in range(3)]
     page = alice.batches.list(limit=2)
     assert [b.id for b in page.data] == more[::-1][:2] and page.has_more
     listed = [b.id for b in alice.batches.list(limit=2)]  # iterating a page follows `after` to the end
@@ -184,14 +205,14 @@ def test_files_and_batches_belong_to_their_tenant(jobs_stack: Stack, alice: "ope
         finished(alice, b, states=("completed", "failed"))
 
 
-def test_cancel_stops_feeding_lets_running_lines_finish(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_cancel_stops_feeding_lets_running_lines_finish(jobs_stack: Stack, alice: openai.OpenAI) -> None:
     batch = submit(alice, infer_lines([f"cancel me {i}" for i in range(1000)], model="slow"))
-    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 10, 30, "the first lines done")
+    wait_for(lambda: counts(alice.batches.retrieve(batch.id)).completed >= 10, 30, "the first lines done")
     assert alice.batches.cancel(batch.id).status in ("cancelling", "cancelled")
     done = finished(alice, batch.id)
     assert done.status == "cancelled" and done.cancelling_at and done.cancelled_at
     ran, never = read(alice, done.output_file_id), read(alice, done.error_file_id)
-    assert 10 <= len(ran) < 1000 and len(ran) == done.request_counts.completed
+    assert 10 <= len(ran) < 1000 and len(ran) == counts(done).completed
     assert {x["error"]["code"] for x in never} == {"batch_cancelled"} and len(ran) + len(never) == 1000
     assert set(Counter(x["custom_id"] for x in ran + never).values()) == {1}
     # the lines that were running finished; no line was sent after the cancel was seen
@@ -215,7 +236,7 @@ def holder(stack: Stack, batch_id: str) -> str:
     return found[0]
 
 
-def _streamed_chat(c: "openai.OpenAI") -> tuple[float, str]:
+def _streamed_chat(c: openai.OpenAI) -> tuple[float, str]:
     """One interactive streamed chat call: seconds until its last chunk, and its text."""
     started, text = time.monotonic(), ""
     for chunk in c.chat.completions.create(model="sim-lm", max_tokens=16, stream=True,
@@ -224,7 +245,7 @@ def _streamed_chat(c: "openai.OpenAI") -> tuple[float, str]:
     return time.monotonic() - started, text
 
 
-def test_an_interactive_stream_beside_a_running_job_goes_first(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_an_interactive_stream_beside_a_running_job_goes_first(jobs_stack: Stack, alice: openai.OpenAI) -> None:
     """The job's lines are offline: they fill what interactive calls leave, so a stream on the same device is
     not queued behind 600 lines (which take several times its length to run)."""
     idle = [_streamed_chat(alice)[0] for _ in range(3)]
@@ -232,7 +253,7 @@ def test_an_interactive_stream_beside_a_running_job_goes_first(jobs_stack: Stack
               "body": {"model": "sim-lm", "max_tokens": 64, "messages": [{"role": "user", "content": f"go {i}"}]}}
              for i in range(600)]
     batch = submit(alice, lines, "/v1/chat/completions")
-    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 20, 30, "the job running")
+    wait_for(lambda: counts(alice.batches.retrieve(batch.id)).completed >= 20, 30, "the job running")
     beside = []
     for _ in range(5):
         seconds, text = _streamed_chat(alice)
@@ -243,26 +264,26 @@ def test_an_interactive_stream_beside_a_running_job_goes_first(jobs_stack: Stack
     # a generous bound (a loaded 2-core CI host): the job's remaining work alone takes far longer than this
     assert max(beside) <= 3 * max(idle) + 1.0, (idle, beside)
     done = finished(alice, batch.id, timeout_s=120)
-    assert done.status == "completed" and done.request_counts.completed == 600
+    assert done.status == "completed" and counts(done).completed == 600
 
 
 @pytest.mark.fault
 def test_llmb_jobs_sigkilled_mid_job_is_taken_over_and_runs_no_line_twice(jobs_stack: Stack,
-                                                                          alice: "openai.OpenAI") -> None:
+                                                                          alice: openai.OpenAI) -> None:
     items_before = jobs_stack.items_done()
     batch = submit(alice, infer_lines([f"survive {i}" for i in range(400)], model="slow"))
-    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 100, 30, "a quarter done")
+    wait_for(lambda: counts(alice.batches.retrieve(batch.id)).completed >= 100, 30, "a quarter done")
     running = holder(jobs_stack, batch.id)
     jobs_stack.kill(running)  # SIGKILL: lines in flight are cut off, finished ones are committed
     at_kill = alice.batches.retrieve(batch.id)
-    assert at_kill.status == "in_progress" and at_kill.request_counts.completed < 400
+    assert at_kill.status == "in_progress" and counts(at_kill).completed < 400
     other = holder(jobs_stack, batch.id)  # the other process takes the job over once the lease lapses
     assert other != running
     jobs_stack.start_jobs(running)  # and the killed one comes back (it finds the job held)
     # (a line the killed process had claimed its key for and not marked published is waited for: its answer when it
     # was published, else it runs once its deadline has passed: test_a_line_sent_again_never_runs_... below)
     done = finished(alice, batch.id, timeout_s=90)
-    assert done.status == "completed" and done.request_counts.completed == 400
+    assert done.status == "completed" and counts(done).completed == 400
     outputs = read(alice, done.output_file_id)
     assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(400))
     for x in outputs:
@@ -305,8 +326,8 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
     process had claimed a line's key, marked it being sent (``published: null``), published it, and died before
     marking it published, so its process holds no lease. The process that takes the job over waits for that
     sending instead of running the line again: its answer once its results are in (there already, or later); once
-    its deadline has passed without one, that run ends 504 and the line's next run (a new key) runs it, once. A line whose process died before it was
-    being sent (``published: false``) never ran: it runs at once."""
+    its deadline has passed without one, that run ends 504 and the line's next run (a new key) runs it, once. A
+    line whose process died before it was being sent (``published: false``) never ran: it runs at once."""
     import threading
     import uuid
 
@@ -384,10 +405,10 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
 
 
 @pytest.mark.fault
-def test_a_job_survives_its_api_batcher_and_worker_being_killed(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_a_job_survives_its_api_batcher_and_worker_being_killed(jobs_stack: Stack, alice: openai.OpenAI) -> None:
     items_before = jobs_stack.items_done()
     batch = submit(alice, infer_lines([f"outlive {i}" for i in range(500)], model="slow"))
-    wait_for(lambda: alice.batches.retrieve(batch.id).request_counts.completed >= 100, 30, "a fifth done")
+    wait_for(lambda: counts(alice.batches.retrieve(batch.id)).completed >= 100, 30, "a fifth done")
     jobs_stack.kill("web")  # the API that took the job: lines run in llmb-jobs, not in it
     jobs_stack.kill("batcher")
     jobs_stack.kill("gpu1")  # its supervisor and worker: a host lost mid-batch
@@ -395,7 +416,7 @@ def test_a_job_survives_its_api_batcher_and_worker_being_killed(jobs_stack: Stac
     jobs_stack.start_worker(1, model="slow", sim_batch_ms=1000)
     jobs_stack.start_web(workers=1, port=jobs_stack.port)  # back where its callers know it
     done = finished(alice, batch.id, timeout_s=90)
-    assert done.status == "completed" and done.request_counts.completed == 500, done.request_counts
+    assert done.status == "completed" and counts(done).completed == 500, done.request_counts
     outputs = read(alice, done.output_file_id)
     assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(500))
     assert all(x["response"]["body"]["output"] == expected(f"outlive {x['custom_id'].split('-')[1]}")
@@ -420,7 +441,7 @@ def test_a_tenant_at_its_cap_backs_off_and_its_job_still_completes(jobs_stack: S
 
     wait_for(done, 60, "the capped tenant's job")
     final = capped.batches.retrieve(batch.id)
-    assert (final.request_counts.completed, final.request_counts.failed) == (300, 0), "429s are retried, not errors"
+    assert (counts(final).completed, counts(final).failed) == (300, 0), "429s are retried, not errors"
     assert len(read(capped, final.output_file_id)) == 300 and final.error_file_id is None
     assert peak[0] <= 40
     assert "429 tenant_over_limit" in jobs_stack.log("jobs") + jobs_stack.log("jobs2"), "it was refused, and backed off"
@@ -460,12 +481,12 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
                            jobs_line_timeout_ms=30_000, offline_max_wait_ms=100) as s:
             bob = client(s, "bob")
             batch = submit(bob, infer_lines([f"restart {i}" for i in range(300)], model="slow"))
-            wait_for(lambda: bob.batches.retrieve(batch.id).request_counts.completed >= 100, 60, "a third done")
+            wait_for(lambda: counts(bob.batches.retrieve(batch.id)).completed >= 100, 60, "a third done")
             done_before = set(ledger_runs(s, batch.id))  # lines whose run the ledger has (finished or running)
             private.kill()
             private.start()
             done = finished(bob, batch.id, timeout_s=120)
-            assert done.status == "completed" and done.request_counts.completed == 300, done.request_counts
+            assert done.status == "completed" and counts(done).completed == 300, done.request_counts
             outputs = read(bob, done.output_file_id)
             assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(300))
             assert all(x["response"]["body"]["output"] == expected(f"restart {x['custom_id'].split('-')[1]}")
@@ -482,16 +503,16 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
 
 
 def test_a_line_the_interactive_route_refuses_is_that_lines_400_at_once(jobs_stack: Stack,
-                                                                        alice: "openai.OpenAI") -> None:
+                                                                        alice: openai.OpenAI) -> None:
     """A lone surrogate in a line's input (a 400 on /v1/infer) is that line's 400 in the error file, given at its
     first run: not an exception of the pipeline retried 8 times and written as a 500."""
     raw = (jsonl(infer_lines(["fine 0", "fine 1"]))
            + b'{"custom_id": "lone", "method": "POST", "url": "/v1/infer", "body": {"input": "x\\ud800y"}}\n')
     f = alice.files.create(file=("surrogate.jsonl", raw), purpose="batch")
-    batch = alice.batches.create(input_file_id=f.id, endpoint="/v1/infer", completion_window="24h",
-                                 output_expires_after={"anchor": "created_at", "seconds": 7200})
+    batch = create(alice, f.id, output_expires_after={"anchor": "created_at", "seconds": 7200})
     done = finished(alice, batch.id, timeout_s=30)
-    assert done.status == "completed" and (done.request_counts.completed, done.request_counts.failed) == (2, 1)
+    assert done.status == "completed" and (counts(done).completed, counts(done).failed) == (2, 1)
+    assert done.error_file_id is not None
     errors_file = alice.files.retrieve(done.error_file_id)
     assert errors_file.expires_at == errors_file.created_at + 7200, "output_expires_after, as OpenAI has it"
     [lone] = read(alice, done.error_file_id)
@@ -509,15 +530,15 @@ def test_a_failed_jobs_errors_stay_small_in_every_listing(jobs_stack: Stack) -> 
     lines = [{"custom_id": f"u{i}", "method": "POST", "url": "/v1/" + "u" * 20_000, "body": {"input": "x"}}
              for i in range(150)]
     lines.insert(0, {"custom_id": "huge", "method": "POST", "url": "/v1/infer", "body": {"input": "h" * 2_000_000}})
-    batch = c.batches.create(input_file_id=c.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch").id,
-                             endpoint="/v1/infer", completion_window="24h")
+    batch = create(c, c.files.create(file=("bad.jsonl", jsonl(lines)), purpose="batch").id)
     done = finished(c, batch.id)
     assert done.status == "failed" and done.errors is not None
-    codes = [e.code for e in done.errors.data]
+    codes = [e.code for e in batch_errors(done)]
     assert len(codes) == 101 and codes[0] == "line_too_large" and codes[-1] == "more_errors"
-    assert "LLMB_MAX_BODY_BYTES" in done.errors.data[0].message and "51 more" in done.errors.data[-1].message
+    first, last = batch_errors(done)[0].message, batch_errors(done)[-1].message
+    assert first and "LLMB_MAX_BODY_BYTES" in first and last and "51 more" in last
     for _ in range(5):
-        c.batches.create(input_file_id=done.input_file_id, endpoint="/v1/infer", completion_window="24h")
+        create(c, done.input_file_id)
     wait_for(lambda: all(b.status == "failed" for b in c.batches.list(limit=100)), 60, "every batch failed")
     listing = requests.get(jobs_stack.url + "/v1/batches?limit=100", headers={"Authorization": f"Bearer {c.api_key}"},
                            timeout=30)
@@ -526,7 +547,7 @@ def test_a_failed_jobs_errors_stay_small_in_every_listing(jobs_stack: Stack) -> 
     assert len(listing.content) < 6 * 40_000, f"{len(listing.content)} bytes for 6 failed batches"
 
 
-def test_jobs_show_escapes_what_a_tenant_wrote(jobs_stack: Stack, alice: "openai.OpenAI") -> None:
+def test_jobs_show_escapes_what_a_tenant_wrote(jobs_stack: Stack, alice: openai.OpenAI) -> None:
     """`llmb-admin jobs show --lines` prints custom_ids with their control characters and terminal escapes
     escaped: a tenant cannot clear an operator's screen or forge lines of the listing."""
     evil = "\x1b[2J\x1b[31mred\r\nline 999  ok  forged"

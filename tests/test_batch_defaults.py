@@ -11,7 +11,7 @@ import io
 import os
 import re
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
@@ -38,12 +38,12 @@ class FolderStack(Stack):
         return {k: v for k, v in {**self.env, **(extra or {})}.items() if k not in DEFAULTED}
 
     def _spawn(self, name: str, argv: list[str], raw_env: dict[str, str] | None = None,
-               **env: object) -> subprocess.Popen[bytes]:
+               settings: Mapping[str, object] | None = None) -> subprocess.Popen[bytes]:
         argv = [str(ROOT / a) if a == "webapp/gunicorn_conf.py" else a for a in argv]
-        extra = {f"LLMB_{k.upper()}": str(v) for k, v in env.items()} | (raw_env or {})
-        log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, cwd=self.cwd, env=self._env(extra), stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        extra = {f"LLMB_{k.upper()}": str(v) for k, v in (settings or {}).items()} | (raw_env or {})
+        with open(self.tmp / f"{name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(argv, cwd=self.cwd, env=self._env(extra), stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         self.groups.add(proc.pid)
         return proc

@@ -13,7 +13,7 @@ import subprocess
 import time
 import uuid
 from collections.abc import Iterator
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
@@ -45,7 +45,7 @@ def key(stack: Stack, tenant: str) -> str:
     return stack.admin("keys", "create", tenant).stdout.strip()
 
 
-def client(stack: Stack, tenant: str, url: str | None = None) -> "openai.OpenAI":
+def client(stack: Stack, tenant: str, url: str | None = None) -> openai.OpenAI:
     return openai.OpenAI(base_url=(url or stack.url) + "/v1", api_key=key(stack, tenant), max_retries=0, timeout=30)
 
 
@@ -107,7 +107,7 @@ def test_files_expire_as_expires_after_or_the_default_says(files_stack: Stack) -
                                                                                  "seconds": 60})
     # a file past its expiry (its row aged here) is gone for its tenant, before any clean-up ran
     with Session(make_engine(files_stack.database_url)) as s, s.begin():
-        s.get(FileRecord, hour.id).expires_at = datetime.fromtimestamp(time.time() - 1, tz=timezone.utc)  # type: ignore[union-attr]
+        s.get(FileRecord, hour.id).expires_at = datetime.fromtimestamp(time.time() - 1, tz=UTC)  # type: ignore[union-attr]
     with pytest.raises(openai.NotFoundError):
         c.files.content(hour.id)
     assert hour.id not in {f.id for f in c.files.list()}
@@ -128,7 +128,7 @@ def test_a_filename_with_control_characters_is_refused_and_a_stored_one_still_do
     (files_stack.tmp / "files" / file_id).write_bytes(b"old\n")
     with Session(make_engine(files_stack.database_url)) as s, s.begin():
         s.add(FileRecord(id=file_id, tenant="names", purpose="batch", filename="evil\r\nSet-Cookie: x=1.jsonl",
-                         bytes=4, created_at=datetime.now(timezone.utc)))
+                         bytes=4, created_at=datetime.now(UTC)))
     r = requests.get(f"{files_stack.url}/v1/files/{file_id}/content", headers=headers, timeout=30)
     assert r.status_code == 200 and r.content == b"old\n" and "Set-Cookie" not in r.headers
     assert "\r" not in r.headers["Content-Disposition"] and "evil__Set-Cookie" in r.headers["Content-Disposition"]
@@ -156,7 +156,7 @@ def test_an_upload_trickling_in_gets_408_within_llmb_body_timeout_s(files_stack:
     waited = time.monotonic() - started
     assert got.startswith(b"HTTP/1.1 408"), (waited, got[:300])
     assert waited < 1.5 + 2.0, waited
-    head, _, payload = got.partition(b"\r\n\r\n")
+    _head, _, payload = got.partition(b"\r\n\r\n")
     error = json.loads(payload[:payload.rindex(b"}") + 1])["error"]
     assert set(error) == {"message", "type", "param", "code"} and "LLMB_BODY_TIMEOUT_S" in error["message"]
     wait_empty = time.monotonic() + 5

@@ -8,7 +8,7 @@ import pytest
 from tasks.policy.batcher import Batcher
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.wait import WaitPolicy
-from tasks.schema import Batch, InferenceRequest, Item, WorkerInfo
+from tasks.schema import Batch, InferenceRequest, Item, Priority, WorkerInfo
 from tests.fakes import FakeClock
 
 
@@ -35,7 +35,7 @@ class Harness:
         self.sent.append((batch, w.id))
 
     def submit(self, rid: str, n_items: int = 1, timeout_s: float = 30.0, tenant: str = "default",
-               priority: str = "interactive") -> float | None:
+               priority: Priority = Priority.INTERACTIVE) -> float | None:
         now = self.clock.now
         request = InferenceRequest(id=rid, tenant=tenant, model="sim",
                                    items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n_items)),
@@ -226,8 +226,8 @@ def test_a_flood_held_behind_busy_workers_does_not_delay_another_tenant() -> Non
 
 def test_interactive_requests_overtake_queued_offline_work() -> None:
     h = Harness(size=10, max_outstanding=1)
-    h.submit("first", n_items=10, priority="offline")  # full: sent at once
-    h.submit("job", n_items=30, priority="offline")
+    h.submit("first", n_items=10, priority=Priority.OFFLINE)  # full: sent at once
+    h.submit("job", n_items=30, priority=Priority.OFFLINE)
     h.submit("chat", n_items=2)
     h.batcher.finished("w0", h.sent[0][0].id)
     assert [i.request_id for i in h.sent[1][0].items][:2] == ["chat", "chat"]
@@ -263,7 +263,7 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     h = Harness(size=1, workers=1)
     h.submit("a")
     h.submit("b")
-    first, second = h.batcher.held_by("w0")
+    _first, second = h.batcher.held_by("w0")
     broken = second.with_items(tuple(replace(i, params={"x": {1, 2}}) for i in second.items))
     worker_id, _, sent_at = h.batcher.in_flight[second.id]
     h.batcher.in_flight[second.id] = (worker_id, broken, sent_at)  # a set: JSON cannot encode it

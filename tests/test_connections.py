@@ -111,7 +111,7 @@ def test_headers_too_slow_get_a_json_408_counted_from_their_first_byte(defaults:
     sock.close()
 
 
-@pytest.mark.parametrize("request_bytes, status, type_", [
+@pytest.mark.parametrize(("request_bytes", "status", "type_"), [
     (b"GET /" + b"a" * 5000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414, "uri_too_long"),
     (b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n", 431, "headers_too_large"),
     (b"GET /healthz HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n", 431,

@@ -9,7 +9,7 @@ from tasks.schema import Priority
 
 
 def waiting(tenant: str, k: int, *, at: float = 0.0, deadline: float = 100.0,
-            priority: str = Priority.INTERACTIVE) -> Waiting[str]:
+            priority: Priority = Priority.INTERACTIVE) -> Waiting[str]:
     return Waiting(f"{tenant}{k}", at, deadline, tenant, priority)
 
 

@@ -37,7 +37,8 @@ pytestmark = pytest.mark.fault
 POISON = "__poison__"
 RATE = 40.0  # requests/s: well inside two 300 ms sim workers' capacity (~650/s), modest for 2 shared cores
 TIMEOUT_MS = 10_000
-SETTINGS = dict(sim_batch_ms=300, heartbeat_interval_s=0.25, heartbeat_stale_factor=4, sim_raise_on=POISON,
+SIM_BATCH_MS = 300
+SETTINGS = dict(sim_batch_ms=SIM_BATCH_MS, heartbeat_interval_s=0.25, heartbeat_stale_factor=4, sim_raise_on=POISON,
                 log_level="INFO")
 Steady = Callable[..., SteadyLoad]
 
@@ -47,7 +48,7 @@ Steady = Callable[..., SteadyLoad]
 def started(tmp: Path, workers: int = 2, **env: object) -> Iterator[Stack]:
     """The stack these tests run: ``workers`` sim workers, the batcher, gunicorn with 2 processes, all serving."""
     with running_stack(tmp, workers=tuple(range(workers)), web_workers=2, ready=False,
-                       **{**SETTINGS, **env}) as s:
+                       settings={**SETTINGS, **env}) as s:
         whole(s, workers)
         yield s
 
@@ -84,13 +85,13 @@ def _module_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str
 
 
 @pytest.fixture
-def stack(_module_stack: dict[str, Stack], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def stack(_module_stack: dict[str, Stack], tmp_path_factory: pytest.TempPathFactory) -> Stack:
     """The shared stack, whole again (or rebuilt when a previous test left it beyond repair)."""
     try:
         restore(_module_stack["stack"])
     except Exception:
         share(Path(tmp_path_factory.mktemp("faults")))
-    yield _module_stack["stack"]
+    return _module_stack["stack"]
 
 
 OwnStack = Callable[..., Stack]
@@ -151,7 +152,7 @@ def early_in_a_batch(s: Stack, device: int) -> None:
     """Signal time: ``gpu<device>`` is in the first half of a batch, before the batcher hands it the next one
     (LLMB_DISPATCH_LEAD_MS before this one ends), so a graceful stop must also give back a batch that arrives
     while it is stopping."""
-    s.wait_batch_start(device, within_s=float(SETTINGS["sim_batch_ms"]) / 2000)
+    s.wait_batch_start(device, within_s=SIM_BATCH_MS / 2000)
 
 
 # -- API processes -------------------------------------------------------------------------------------

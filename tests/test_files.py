@@ -82,6 +82,6 @@ def test_a_rename_that_fails_after_the_commit_takes_its_row_back(store: FileStor
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(os, "replace", fail)
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="Input/output error"):
         save(store, "a", 10)
     assert names(store) == set() and rows(store) == set()

@@ -172,6 +172,7 @@ def test_admin_cli_against_the_running_system(fleet: Stack) -> None:
         record = s.scalars(select(RequestRecord).where(RequestRecord.input == texts[0])).one()
     again = fleet.admin("requeue", record.id)
     assert record.id in again.stdout and json.dumps(expected(texts[0])) in again.stdout
+    assert record.batch_id is not None
     again = fleet.admin("requeue", record.batch_id)  # a whole batch
     assert json.dumps(expected(texts[0])) in again.stdout
     dry = fleet.admin("replay", "--status", "ok", "--tenant", "default", "--limit", "3", "--dry-run")

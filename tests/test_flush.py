@@ -78,7 +78,7 @@ def test_put_back_restores_order_and_arrival() -> None:
 
 
 def test_policy_rejects_nonsense() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_batch_size must be at least 1"):
         FlushPolicy(max_batch_size=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="max_wait_s must not be negative"):
         FlushPolicy(max_wait_s=-1)

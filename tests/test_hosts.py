@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -23,7 +24,15 @@ from tests.harness.netns.scenarios import ApiCut, api_cut, batcher_cut, fairness
 pytestmark = pytest.mark.fault
 
 HOSTS = ("api", "api2", "batcher1", "batcher2", "gpu1", "gpu2")
-SETTINGS = dict(sim_batch_ms=300, log_level="INFO")
+
+
+class Settings(TypedDict):
+    """The harness's settings, typed by key so that they unpack into Hosts' keywords."""
+    sim_batch_ms: int
+    log_level: str
+
+
+SETTINGS: Settings = {"sim_batch_ms": 300, "log_level": "INFO"}
 MAX_OUTSTANDING = 2  # LLMB_MAX_OUTSTANDING_BATCHES, the default
 
 

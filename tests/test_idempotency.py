@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.helpers import assert_json_error, decoded, expected, post
 from tests.harness.stack import Stack, wait_for
 
 openai = pytest.importorskip("openai", reason="bin/test installs the 'models' extra (with openai) these tests need")
@@ -72,7 +72,7 @@ def batch_started(stack: Stack) -> Callable[[], bool]:
 
     def running() -> bool:
         fresh = [k for k in stack.redis.scan_iter(claims, count=1000) if k not in old]
-        return any(not (stack.redis.get(k) or b"~").startswith(b"~") for k in fresh)
+        return any(not decoded(stack.redis.get(k) or b"~").startswith("~") for k in fresh)
 
     return running
 
@@ -394,4 +394,4 @@ def test_an_openai_retry_of_an_unreadable_record_is_a_409_in_openai_shape(keyed:
     keyed.redis.set(record_key_of(keyed, "team-a", key), b"[1, 2", keepttl=True)
     with pytest.raises(openai.ConflictError) as unreadable:
         client.completions.create(**args, extra_headers={"Idempotency-Key": key})
-    assert unreadable.value.code == "record_unreadable" and unreadable.value.body["param"] is None  # type: ignore[index]
+    assert unreadable.value.code == "record_unreadable" and unreadable.value.body["param"] is None

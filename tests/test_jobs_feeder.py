@@ -63,7 +63,7 @@ class Runner:
             self.calls[line.request_id] += 1
             n = self.calls[line.request_id]
         time.sleep(self.delay_s)
-        return self.answer(line, n)  # type: ignore[no-any-return]
+        return self.answer(line, n)
 
 
 def feeder(stores: tuple[JobStore, FileStore], runner: Runner, **kw: Any) -> Feeder:

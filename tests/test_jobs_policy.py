@@ -180,7 +180,7 @@ def test_a_line_is_held_to_the_interactive_body_limit_and_a_deep_one_is_an_error
     deep = (b'{"custom_id": "deep", "method": "POST", "url": "/v1/infer", "body": ' + b"[" * 100_000
             + b"]" * 100_000 + b"}")
     fine = _line("fine", body={"input": "z" * (limit - 100)})
-    lines, errors = parse_input([big_body, huge, deep, fine], "/v1/infer", 10, max_body_bytes=limit)
+    _lines, errors = parse_input([big_body, huge, deep, fine], "/v1/infer", 10, max_body_bytes=limit)
     assert [(e.line, e.code) for e in errors] == [(1, "line_too_large"), (2, "line_too_large"), (3, "line_too_large")]
     assert "LLMB_MAX_BODY_BYTES" in errors[0].message and str(limit) in errors[0].message
     _, errors = parse_input([deep[:60_000] + b"]" * 10 + b"}"], "/v1/infer", 10, max_body_bytes=10**6)
@@ -238,8 +238,9 @@ def test_filenames_and_expiry_as_uploads_give_them() -> None:
     assert download_name("a\r\nb\x1b.jsonl") == "a__b_.jsonl" and download_name("") == "file"
     assert expiry_s({"anchor": "created_at", "seconds": 3600}, "expires_after") == 3600
     assert expiry_s({"anchor": "created_at", "seconds": "86400"}, "expires_after") == 86400, "a form's text"
-    for bad in ({"anchor": "created_at", "seconds": 3599}, {"anchor": "created_at", "seconds": 2_592_001},
-                {"anchor": "last_active_at", "seconds": 3600}, {"seconds": 3600}, {"anchor": "created_at",
-                                                                                  "seconds": True}, 7):
+    bad_expiries: tuple[object, ...] = (
+        {"anchor": "created_at", "seconds": 3599}, {"anchor": "created_at", "seconds": 2_592_001},
+        {"anchor": "last_active_at", "seconds": 3600}, {"seconds": 3600}, {"anchor": "created_at", "seconds": True}, 7)
+    for bad_expiry in bad_expiries:
         with pytest.raises(InvalidInput):
-            expiry_s(bad, "expires_after")
+            expiry_s(bad_expiry, "expires_after")

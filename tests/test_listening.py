@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -32,7 +33,7 @@ def test_a_result_that_comes_back_before_publish_returns_is_not_missed(fast: Sta
 
 def test_a_stream_gets_every_piece_of_its_text(fast: Stack) -> None:
     for i in range(15):
-        body = {"model": "sim-lm", "prompt": f"stream {i}", "max_tokens": 24, "temperature": 0}
+        body: dict[str, Any] = {"model": "sim-lm", "prompt": f"stream {i}", "max_tokens": 24, "temperature": 0}
         whole = requests.post(fast.url + "/v1/completions", json=body, timeout=30)
         assert whole.status_code == 200, whole.text
         streamed = requests.post(fast.url + "/v1/completions", json={**body, "stream": True}, timeout=30,
@@ -40,6 +41,7 @@ def test_a_stream_gets_every_piece_of_its_text(fast: Stack) -> None:
         assert streamed.status_code == 200
         pieces = []
         for line in streamed.iter_lines(decode_unicode=True):
+            assert isinstance(line, str)  # a text/* reply has an encoding: requests decodes every line
             if line.startswith("data: ") and line != "data: [DONE]":
                 chunk = json.loads(line[6:])
                 pieces.append(chunk["choices"][0]["text"])

@@ -23,7 +23,7 @@ def test_a_message_carries_the_calls_of_a_round_and_the_one_call_body_still_read
 @pytest.mark.parametrize("body", [b"not json", b"[]", b'{"requests": []}', b'{"requests": [{"id": 1}]}',
                                   b'{"requests": 7}', b'"text"'])
 def test_a_malformed_message_is_a_value_error(body: bytes) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="request message"):
         requests_of(body)
 
 

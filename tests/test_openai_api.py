@@ -7,7 +7,7 @@ import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -18,12 +18,15 @@ else:
     openai = pytest.importorskip("openai", reason="bin/test installs the 'models' extra these tests need")
     pytest.importorskip("transformers", reason="bin/test installs the 'models' extra these tests need")
 
-from sqlalchemy import select  # noqa: E402
-from sqlalchemy.orm import Session  # noqa: E402
+from sqlalchemy import select
+from sqlalchemy.orm import Session
 
-from tasks.store.models import RequestRecord, make_engine  # noqa: E402
-from tests.harness.models import build_tiny_llama  # noqa: E402
-from tests.harness.stack import Stack, running_stack, wait_for  # noqa: E402
+from tasks.store.models import RequestRecord, make_engine
+from tests.harness.models import build_tiny_llama
+from tests.harness.stack import Stack, running_stack, wait_for
+
+if TYPE_CHECKING:
+    from openai.types.chat import ChatCompletionMessageParam
 
 LM, EMBED = "tiny-llama", "all-MiniLM-L6-v2"
 
@@ -38,23 +41,24 @@ def models_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 
 @pytest.fixture(scope="module")
-def client(models_stack: Stack) -> "openai.OpenAI":
+def client(models_stack: Stack) -> openai.OpenAI:
     return openai.OpenAI(base_url=models_stack.url + "/v1", api_key="unused", max_retries=0, timeout=60)
 
 
-def test_models_lists_what_the_workers_serve(client: "openai.OpenAI") -> None:
+def test_models_lists_what_the_workers_serve(client: openai.OpenAI) -> None:
     assert {m.id for m in client.models.list()} == {LM, EMBED}
 
 
-def test_completions_with_usage(client: "openai.OpenAI") -> None:
+def test_completions_with_usage(client: openai.OpenAI) -> None:
     r = client.completions.create(model=LM, prompt="the cat sat", max_tokens=5, temperature=0)
     choice = r.choices[0]
     assert isinstance(choice.text, str) and choice.finish_reason in ("length", "stop")
+    assert r.usage is not None
     assert 1 <= r.usage.completion_tokens <= 5 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_greedy_outputs_do_not_depend_on_the_batch(client: "openai.OpenAI") -> None:
+def test_greedy_outputs_do_not_depend_on_the_batch(client: openai.OpenAI) -> None:
     prompts = [f"the queue {i} is fast" for i in range(12)]
     alone = [client.completions.create(model=LM, prompt=p, max_tokens=8, temperature=0).choices[0].text
              for p in prompts]
@@ -66,17 +70,18 @@ def test_greedy_outputs_do_not_depend_on_the_batch(client: "openai.OpenAI") -> N
     assert [c.text for c in sorted(many.choices, key=lambda c: c.index)] == alone
 
 
-def test_seeded_sampling_is_reproducible(client: "openai.OpenAI") -> None:
+def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     def sample() -> str:
         return client.completions.create(model=LM, prompt="hello", max_tokens=8, temperature=0.9, seed=7,
                                          top_p=0.95).choices[0].text
     assert sample() == sample()
 
 
-def test_chat_completions_use_the_chat_template(client: "openai.OpenAI") -> None:
+def test_chat_completions_use_the_chat_template(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=LM, max_tokens=6, temperature=0, messages=[
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])
     assert r.choices[0].message.role == "assistant" and isinstance(r.choices[0].message.content, str)
+    assert r.usage is not None
     assert r.usage.prompt_tokens > 5  # the template's role markers count
 
 
@@ -88,7 +93,7 @@ def _ledger_record(stack: Stack, correlation_id: str) -> RequestRecord:
         return s.scalars(query).one()
 
 
-def test_requeue_sends_the_same_call_again(models_stack: Stack, client: "openai.OpenAI") -> None:
+def test_requeue_sends_the_same_call_again(models_stack: Stack, client: openai.OpenAI) -> None:
     """Chat or completion, sampling parameters, seed and priority class all come back from the ledger."""
     chat = client.chat.completions.with_raw_response.create(
         model=LM, max_tokens=7, temperature=0.9, top_p=0.9, seed=11, service_tier="flex",
@@ -107,7 +112,7 @@ def test_requeue_sends_the_same_call_again(models_stack: Stack, client: "openai.
     assert json.loads(first.params or "{}")["seed"] == 11
 
 
-def test_embeddings_are_normalised_and_per_input(client: "openai.OpenAI") -> None:
+def test_embeddings_are_normalised_and_per_input(client: openai.OpenAI) -> None:
     r = client.embeddings.create(model=EMBED, input=["the cat sat on the mat", "a queue of requests"])
     assert [d.index for d in r.data] == [0, 1]
     for d in r.data:
@@ -118,7 +123,7 @@ def test_embeddings_are_normalised_and_per_input(client: "openai.OpenAI") -> Non
     assert r.usage.prompt_tokens > 0
 
 
-def test_errors_come_back_in_openai_shape(client: "openai.OpenAI", models_stack: Stack) -> None:
+def test_errors_come_back_in_openai_shape(client: openai.OpenAI, models_stack: Stack) -> None:
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         client.completions.create(model=LM, prompt="x", max_tokens=1000)
     with pytest.raises(openai.BadRequestError, match="context"):
@@ -137,11 +142,12 @@ def test_errors_come_back_in_openai_shape(client: "openai.OpenAI", models_stack:
     with pytest.raises(openai.BadRequestError, match="embed model"):
         client.completions.create(model=EMBED, prompt="x")
     with pytest.raises(openai.BadRequestError) as info:
-        client.chat.completions.create(model=LM, messages=[{"role": "user"}])
+        # a user message without its content, on purpose: the server must refuse it
+        client.chat.completions.create(model=LM, messages=[{"role": "user"}])  # type: ignore[typeddict-item]
     assert info.value.body["code"] == "invalid_request"  # type: ignore[index]
 
 
-def test_streamed_text_adds_up_to_the_whole_answer(client: "openai.OpenAI") -> None:
+def test_streamed_text_adds_up_to_the_whole_answer(client: openai.OpenAI) -> None:
     whole = client.completions.create(model=LM, prompt="the worker", max_tokens=12, temperature=0)
     pieces = list(client.completions.create(model=LM, prompt="the worker", max_tokens=12, temperature=0,
                                             stream=True))
@@ -150,8 +156,8 @@ def test_streamed_text_adds_up_to_the_whole_answer(client: "openai.OpenAI") -> N
     assert len(pieces) >= 2
 
 
-def test_streamed_chat_in_openai_chunk_format(client: "openai.OpenAI") -> None:
-    messages = [{"role": "user", "content": "hello there"}]
+def test_streamed_chat_in_openai_chunk_format(client: openai.OpenAI) -> None:
+    messages: list[ChatCompletionMessageParam] = [{"role": "user", "content": "hello there"}]
     whole = client.chat.completions.create(model=LM, messages=messages, max_tokens=10, temperature=0)
     chunks = list(client.chat.completions.create(model=LM, messages=messages, max_tokens=10, temperature=0,
                                                  stream=True))
@@ -161,7 +167,7 @@ def test_streamed_chat_in_openai_chunk_format(client: "openai.OpenAI") -> None:
 
 
 def test_a_client_that_leaves_mid_stream_cancels_its_generation(models_stack: Stack,
-                                                               client: "openai.OpenAI") -> None:
+                                                               client: openai.OpenAI) -> None:
     import requests
 
     pubsub = models_stack.redis.pubsub()
@@ -197,7 +203,7 @@ def test_a_cancelled_row_stops_while_the_rest_of_its_batch_goes_on(tmp_path: Pat
     assert out[0]["completion_tokens"] <= 1 < out[1]["completion_tokens"]
 
 
-def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stack, client: "openai.OpenAI") -> None:
+def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stack, client: openai.OpenAI) -> None:
     import json as json_
     import threading
 
@@ -247,8 +253,12 @@ def _compare(static: Any, continuous: Any) -> None:
     params = [{"max_tokens": 4 + 5 * (i % 4), "temperature": 0} for i in range(12)]  # mixed lengths
     assert continuous.run(prompts, params) == static.run(prompts, params)
     streamed: dict[int, str] = {}
-    out = continuous.run(prompts[:2], params[:2], Hooks(
-        streaming={0, 1}, stream=lambda deltas: [streamed.__setitem__(p, streamed.get(p, "") + t) for p, t in deltas]))
+
+    def stream(deltas: list[tuple[int, str]]) -> None:
+        for p, t in deltas:
+            streamed[p] = streamed.get(p, "") + t
+
+    out = continuous.run(prompts[:2], params[:2], Hooks(streaming={0, 1}, stream=stream))
     for position, o in enumerate(out):  # the API sends whatever the stream held back with the final chunk
         assert streamed.get(position) and o["text"].startswith(streamed[position])
     cancelled = continuous.run(prompts[:2], [{"max_tokens": 40, "temperature": 0}] * 2,

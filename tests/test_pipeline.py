@@ -120,7 +120,7 @@ def test_over_the_admission_cap_callers_get_429_and_nothing_extra_is_enqueued(st
     ok = statuses.count(200)
     refused = [r for r in responses if r.status_code == 429]
     assert ok + len(refused) == 40, statuses
-    assert 1 <= ok and refused, statuses
+    assert ok >= 1 and refused, statuses
     for r in refused:
         assert_json_error(r, 429, "queue_full")
         assert int(r.headers["Retry-After"]) >= 1

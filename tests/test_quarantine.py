@@ -20,8 +20,8 @@ from tasks.state.admission import Admission, Ticket, Verdict
 from tasks.state.quarantine import Quarantine, QuarantineSync
 from tasks.store.ledger import Ledger, Quarantined
 from tasks.store.models import make_engine
-from tests.admitting import try_admit
 from tests.fakes import FakeClock
+from tests.harness.admitting import try_admit
 from tests.harness.stack import REDIS_URL
 
 
@@ -47,7 +47,8 @@ def namespace() -> Iterator[str]:
 
 @pytest.fixture
 def client() -> CountingRedis:
-    c = CountingRedis.from_url(REDIS_URL)
+    c = CountingRedis.from_url(REDIS_URL)  # from_url is a classmethod: a CountingRedis, typed as a plain Redis
+    assert isinstance(c, CountingRedis)
     c.commands = []
     return c
 

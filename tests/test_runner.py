@@ -5,13 +5,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import redis
 
+from gpu_worker.backends import Hooks
 from gpu_worker.device_slots import Device as Slots
 from gpu_worker.runner import BatchRunner
 from gpu_worker.worker_state import WorkerState, measure_full_batch
@@ -25,6 +26,10 @@ from tests.harness.stack import REDIS_URL
 class Device:
     """A backend that records when each batch ran, and whether two ever ran at once."""
 
+    name = "sim"
+    kind = "sim"
+    max_batch = 100
+    max_context = 0
     slots = 1
 
     def __init__(self) -> None:
@@ -32,7 +37,8 @@ class Device:
         self.running = 0
         self.overlapped = False
 
-    def run(self, inputs: Sequence[str], params: Any = None, hooks: Any = None) -> list[str]:
+    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
+            hooks: Hooks | None = None) -> list[str]:
         self.running += 1
         self.overlapped |= self.running > 1
         started = time.monotonic()

@@ -64,7 +64,7 @@ def test_a_sentinel_url_names_the_sentinels_the_service_the_db_and_the_credentia
     "redis://127.0.0.1:6379/0",  # not a Sentinel URL
 ])
 def test_a_malformed_sentinel_url_is_refused_with_the_syntax(url: str) -> None:
-    with pytest.raises(ValueError, match="redis|invalid"):
+    with pytest.raises(ValueError, match=r"redis|invalid"):
         parse_sentinel_url(url)
 
 
@@ -122,9 +122,10 @@ class SentinelSet:
                             f"sentinel down-after-milliseconds {SERVICE} 1000\n"
                             f"sentinel failover-timeout {SERVICE} 5000\n"
                             f"sentinel parallel-syncs {SERVICE} 1\n")
-            log = open(self.dir / f"sentinel-{port}.log", "ab")
-            self.sentinels.append(subprocess.Popen([str(REDIS_SERVER), str(conf), "--sentinel"], cwd=self.dir,
-                                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+            with open(self.dir / f"sentinel-{port}.log", "ab") as log:  # the child keeps its own copy
+                self.sentinels.append(subprocess.Popen([str(REDIS_SERVER), str(conf), "--sentinel"], cwd=self.dir,
+                                                       stdout=log, stderr=subprocess.STDOUT,
+                                                       start_new_session=True))
         wait_for(self._settled, 30, "three Sentinels that see the master, its replica and each other")
         return self
 

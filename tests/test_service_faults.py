@@ -96,7 +96,7 @@ def processes_alive(stack: Stack) -> dict[str, int | None]:
 
 def small_stack(tmp: Path, **settings: object) -> AbstractContextManager[Stack]:
     """One sim worker, the batcher and gunicorn with one process, heartbeats every 0.25 s."""
-    return running_stack(tmp, web_workers=1, heartbeat_interval_s=0.25, **settings)
+    return running_stack(tmp, web_workers=1, heartbeat_interval_s=0.25, settings=settings)
 
 
 # -- 1. Redis SIGKILLed and restarted ----------------------------------------------------------------------------
@@ -298,7 +298,7 @@ def _flood_elsewhere(url: str, n: int, tenant: str, timeout_ms: int) -> tuple[li
     """The flood from a process of its own (a fresh interpreter): what earlier tests left running in pytest's
     process (threads of in-process apps, a model's thread pool) must not slow the flood's client down, or
     the server sees headers arrive late and closes connections at its header time limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     cpu = time.process_time()
     flood = asyncio.run(_flood(url, n, tenant, timeout_ms))

@@ -22,6 +22,7 @@ from gpu_worker.backends.sim_lm_engine import (
     Engine,
     KVCache,
     Seq,
+    Step,
     Timing,
     kv_capacity,
     run_static,
@@ -40,9 +41,9 @@ def make_seq(prompt: list[int], max_tokens: int, *, index: int = 0, eos: int | N
     return Seq(Row(index, prompt, max_tokens, list(stop)), Text(text, GREEDY), eos, cancelled=cancelled)
 
 
-def drive(engine: Engine, *, limit: int = 1000) -> list[Any]:
+def drive(engine: Engine, *, limit: int = 1000) -> list[Step]:
     """Step until nothing is left; the steps."""
-    steps = []
+    steps: list[Step] = []
     while engine.busy and len(steps) < limit:
         steps.append(engine.step())
         assert engine.kv.used <= engine.kv.total
@@ -189,16 +190,16 @@ def test_prompts_sharing_whole_pages_hold_and_prefill_them_once() -> None:
 
     def first_step(sharing: bool) -> tuple[int, int]:
         engine = Engine(Timing(), KVCache(64, 4, sharing=sharing), max_seqs=8)
-        engine.add(make_seq(common + [1, 2], 4, index=0))
-        engine.add(make_seq(common + [3], 4, index=1))
-        engine.add(make_seq([9] + common, 4, index=2))  # the same tokens, not at the start: nothing shared
+        engine.add(make_seq([*common, 1, 2], 4, index=0))
+        engine.add(make_seq([*common, 3], 4, index=1))
+        engine.add(make_seq([9, *common], 4, index=2))  # the same tokens, not at the start: nothing shared
         step = engine.step()
         return engine.kv.used, step.prefill_tokens
 
     assert first_step(sharing=False) == (3 + 3 + 3, 10 + 9 + 9)
     assert first_step(sharing=True) == (2 + 1 + 1 + 3, 10 + 1 + 9)
     engine = Engine(Timing(), KVCache(64, 4), max_seqs=8)
-    a, b = make_seq(common + [1], 2, index=0), make_seq(common + [2], 6, index=1)
+    a, b = make_seq([*common, 1], 2, index=0), make_seq([*common, 2], 6, index=1)
     engine.add(a)
     engine.add(b)
     drive(engine, limit=2)
@@ -241,7 +242,10 @@ def test_cancellation_frees_the_slot_and_the_pages_at_the_next_step() -> None:
     gone: set[int] = set()
     engine = Engine(Timing(), KVCache(64, 4), max_seqs=8)
     for i in range(2):
-        engine.add(make_seq(list(range(i, i + 6)), 20, index=i, cancelled=lambda i=i: i in gone))
+        def cancelled(i: int = i) -> bool:
+            return i in gone
+
+        engine.add(make_seq(list(range(i, i + 6)), 20, index=i, cancelled=cancelled))
     engine.step()
     assert engine.kv.used == 4 and len(engine.running) == 2
     gone.add(0)

@@ -147,16 +147,16 @@ def test_tenant_settings_are_validated_and_fall_back_to_defaults(store: KeyStore
 
     for bad in ({"weight": 0}, {"weight": -1}, {"weight": float("nan")}, {"weight": float("inf")},
                 {"max_in_flight": 0}, {"priority": "urgent"}):
-        with pytest.raises(ValueError):
-            store.set_tenant("team-a", **bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"must be|is not one of"):
+            store.set_tenant("team-a", **bad)
     for name in ("", "a b", "x" * 65, "é", "a/b"):
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="is not 1-64 characters"):
             store.set_tenant(name)
-        with pytest.raises(ValueError):
+        with pytest.raises(ValueError, match="is not 1-64 characters"):
             store.create_key(name)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="weight must be a number"):
         KeyStore(store.engine, weight=0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="is not one of interactive, offline"):
         KeyStore(store.engine, priority="urgent")
     assert store.policy("team-a") == TenantPolicy("team-a", 2.5, 7, Priority.OFFLINE), "failed calls change nothing"
 

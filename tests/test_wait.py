@@ -42,9 +42,9 @@ def test_fixed_mode_always_waits_the_same() -> None:
 
 
 def test_bad_modes_and_bounds_are_refused() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="wait mode must be 'adaptive' or 'fixed'"):
         WaitPolicy("sometimes")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="need 0 <= min wait <= max wait"):
         WaitPolicy(min_s=0.1, max_s=0.05)
 
 

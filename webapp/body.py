@@ -15,6 +15,7 @@ strictly, so that no body can cost a 500 or hold a connection for ever.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import socket
@@ -162,10 +163,8 @@ def _time_limit(deadline: float) -> Iterator[Callable[[], bool]]:
 
     def shut_read_side() -> None:
         shut.set()
-        try:
+        with contextlib.suppress(OSError):
             sock.shutdown(socket.SHUT_RD)  # the blocked read returns; the answer (408) can still be written
-        except OSError:
-            pass
 
     watchdog = threading.Timer(remaining, shut_read_side)
     watchdog.daemon = True

@@ -24,6 +24,7 @@ so a graceful stop waits only for requests in progress.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import time
@@ -83,10 +84,8 @@ class IdleConnections:
         except (_Stopping, OSError):  # socket.timeout is an OSError
             return None
         finally:
-            try:
+            with contextlib.suppress(OSError):
                 sock.settimeout(timeout)
-            except OSError:
-                pass
 
     def stop(self) -> None:
         self.stopping = True

@@ -35,7 +35,7 @@ import gunicorn.http as http
 import gunicorn.http.wsgi as wsgi
 import gunicorn.util as gunicorn_util
 import gunicorn.workers.ggevent as ggevent
-from gevent.baseserver import _handle_and_close_when_done  # type: ignore[attr-defined]
+from gevent.baseserver import _handle_and_close_when_done
 from gevent.local import local
 from gevent.server import StreamServer
 from gunicorn.workers.ggevent import GeventWorker
@@ -184,8 +184,8 @@ class ArrivalTimingWorker(GeventWorker):
         # gunicorn's run() builds its servers, and each request its response, from these names (this process only)
         ggevent.StreamServer = _TimedServer
         wsgi.Response = _OneWriteResponse
-        http.get_parser = _remembering(http.get_parser)  # type: ignore[assignment]
-        gunicorn_util.write_error = self._write_error  # type: ignore[assignment]  # its own errors, in JSON
+        http.get_parser = _remembering(http.get_parser)
+        gunicorn_util.write_error = self._write_error  # its own errors, in JSON
         self.settings = Settings.from_env()
         global INTAKE
         INTAKE = Intake()

@@ -11,8 +11,9 @@ from typing import Any
 from bench.serving.sse import stream_completion
 from bench.stats import percentile, rounded
 
-WORDS = ("the cat sat on a mat while the batch ran fast and slow on red and blue workers that answer every "
-         "request in the queue with a token model of the world").split()
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "the", "batch", "ran", "fast", "and", "slow", "on", "red",
+         "and", "blue", "workers", "that", "answer", "every", "request", "in", "the", "queue", "with", "a", "token",
+         "model", "of", "the", "world")
 
 
 def arrivals(n: int, rate: float, lo: int, hi: int, seed: int) -> list[dict[str, Any]]:

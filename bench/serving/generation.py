@@ -3,6 +3,7 @@ and its figures (latency, TTFT, throughput, the cost report), rescaled to the mo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import statistics
 from typing import Any
@@ -102,10 +103,8 @@ def run_lm(stack: Stack, name: str, mode: str, device: int, env: dict[str, objec
             batches = [b for b in ledger_batches(stack, wid) if b[0] not in before_ids]
             return sum(b[3] for b in batches) >= len(ok)
 
-        try:
+        with contextlib.suppress(TimeoutError):
             wait_for(recorded, 10, "the run's batches in the ledger")
-        except TimeoutError:
-            pass
     finally:
         stop_worker(stack, device)
     summary = summarize_lm(mode, args, records, ok, result, c0, c1, batches, admin)

@@ -24,7 +24,7 @@ def ledger_batches(stack: Stack, worker: str) -> list[tuple[str, float, float, i
         engine.dispose()
 
     def epoch(d: dt.datetime) -> float:
-        return (d if d.tzinfo else d.replace(tzinfo=dt.timezone.utc)).timestamp()
+        return (d if d.tzinfo else d.replace(tzinfo=dt.UTC)).timestamp()
 
     return [(r[0], epoch(r[1]), epoch(r[2]), int(r[3])) for r in rows if r[1] is not None and r[2] is not None]
 

@@ -56,7 +56,7 @@ def wait_idle(stack: Stack, device: int, timeout_s: float = 60) -> None:
 
     def idle() -> bool:
         beat = stack.fleet().get(wid) or {}
-        return beat.get("state") == "idle" and not int(beat.get("outstanding") or 0)  # type: ignore[call-overload]
+        return beat.get("state") == "idle" and not int(beat.get("outstanding") or 0)
 
     wait_for(idle, timeout_s, f"{wid} idle")
 

@@ -14,7 +14,6 @@ expired call of a message it gets).
 from __future__ import annotations
 
 import json
-import socket
 import time
 from collections.abc import Sequence
 
@@ -124,7 +123,7 @@ class RequestPublisher:
                         correlation_id=requests[0].id, headers={"requests": len(requests)},
                         timeout=remaining, confirm_timeout=remaining)
                     return
-                except (socket.timeout, TimeoutError):
+                except TimeoutError:
                     # a confirm may still come, and would be taken for the next message's: drop the connection
                     producer.connection.collect()
                     break

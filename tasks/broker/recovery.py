@@ -16,6 +16,7 @@ The decisions are :func:`tasks.policy.isolation.plan`'s; this module does the I/
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -208,7 +209,5 @@ def _consumers(conn: Connection, queue: str) -> int:
 
 
 def _close(channel: Any) -> None:
-    try:
+    with contextlib.suppress(Exception):  # closing a channel the broker already closed
         channel.close()
-    except Exception:  # closing a channel the broker already closed
-        pass

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import unicodedata
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 import click
 from sqlalchemy import select
@@ -26,7 +26,7 @@ def _store(admin: Admin) -> JobStore:
 
 
 def _when(epoch: float | None) -> str:
-    return "-" if epoch is None else datetime.fromtimestamp(epoch, tz=timezone.utc).isoformat(timespec="seconds")
+    return "-" if epoch is None else datetime.fromtimestamp(epoch, tz=UTC).isoformat(timespec="seconds")
 
 
 def shown(text: object) -> str:
@@ -154,7 +154,7 @@ def jobs_cancel(admin: Admin, job_id: str) -> None:
     """Stop a job: no more lines are sent, the running ones finish, then it is cancelled."""
     store = _store(admin)
     try:
-        job = store.cancel(job_id, None, datetime.now(timezone.utc).timestamp())
+        job = store.cancel(job_id, None, datetime.now(UTC).timestamp())
     except SQLAlchemyError as exc:
         _database_error(admin, exc)
         return

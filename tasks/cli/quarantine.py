@@ -5,7 +5,7 @@ The ledger holds the durable record and Redis the copy that is enforced; both co
 from __future__ import annotations
 
 import json
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 import click
@@ -59,7 +59,7 @@ def quarantine_list(admin: Admin, as_json: bool) -> None:
     if not entries:
         click.echo("no input is quarantined")
     for e in entries:
-        since = datetime.fromtimestamp(e["since"], tz=timezone.utc).isoformat(timespec="seconds")
+        since = datetime.fromtimestamp(e["since"], tz=UTC).isoformat(timespec="seconds")
         note = ("" if e["enforced"] is not False else
                 "  NOT ENFORCED: Redis lost it (a batcher restores it from the ledger within a second)")
         click.echo(f"{e['hash']}  {e['model']}  {since}  batch {e['batch_id']}  request {e['request_id']}{note}\n"

@@ -3,6 +3,7 @@ releasing the admission of the items it found, in one round trip shared with the
 moment), its stream relayed, its outcome recorded, and the generation cancelled when its caller is gone."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Generator, Sequence
@@ -159,14 +160,10 @@ class Waiting:
 
     def cancel(self, item_ids: list[str]) -> None:
         """Tell the workers these callers are gone, so generation for them stops (best effort)."""
-        try:
+        with contextlib.suppress(redis.RedisError):
             self.client.publish(self.keys.cancel, ",".join(item_ids))
-        except redis.RedisError:
-            pass
 
     def release(self, ticket: Ticket, item_ids: list[str]) -> None:
         """Give back the admission of these items (best effort)."""
-        try:
+        with contextlib.suppress(redis.RedisError):  # the member expires at its deadline anyway
             self.admission.release(ticket, item_ids)
-        except redis.RedisError:
-            pass  # the member expires at its deadline anyway

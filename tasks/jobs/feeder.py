@@ -24,6 +24,7 @@ time), commits them and gives the leases up at once.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -87,26 +88,35 @@ class Feeder:
     def tick(self) -> None:
         """Renew the leases held, forget finished runs, claim new jobs while there is room."""
         now = self.clock()
-        lease_s = self.settings.jobs.lease_s
         for job_id, run in list(self.runs.items()):
             if not run.thread.is_alive():
                 del self.runs[job_id]
         if self.runs:
-            try:
-                held = self.store.renew(self.owner, list(self.runs), now, lease_s)
-                self._renewed_at = now
-            except SQLAlchemyError:
-                held = set(self.runs) if now - self._renewed_at < lease_s / 2 else set()  # safe for a while
-                if not held:
-                    log.warning("could not renew leases for %.1f s: stopping the jobs held", now - self._renewed_at)
-            for job_id, run in self.runs.items():
-                if job_id not in held:
-                    run.lost.set()
+            self._renew(now)
         if self.stopping.is_set():
             return
         if now - self._cleaned_at >= self.settings.jobs.files_cleanup_s:
             self._cleaned_at = now
             self.clean_up()
+        self._claim(now)
+
+    def _renew(self, now: float) -> None:
+        """Renew the leases of the jobs running here; a job whose lease could not be renewed in time is stopped."""
+        lease_s = self.settings.jobs.lease_s
+        try:
+            held = self.store.renew(self.owner, list(self.runs), now, lease_s)
+            self._renewed_at = now
+        except SQLAlchemyError:
+            held = set(self.runs) if now - self._renewed_at < lease_s / 2 else set()  # safe for a while
+            if not held:
+                log.warning("could not renew leases for %.1f s: stopping the jobs held", now - self._renewed_at)
+        for job_id, run in self.runs.items():
+            if job_id not in held:
+                run.lost.set()
+
+    def _claim(self, now: float) -> None:
+        """Claim waiting jobs while there is room, shared fairly between tenants (:func:`pick_jobs`)."""
+        lease_s = self.settings.jobs.lease_s
         room = self.settings.jobs.max_active - len(self.runs)
         if room <= 0:
             return
@@ -139,10 +149,8 @@ class Feeder:
         self.stopping.set()
         deadline = time.monotonic() + (self.settings.jobs.lease_s if timeout_s is None else timeout_s)
         while any(run.thread.is_alive() for run in self.runs.values()) and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(SQLAlchemyError):
                 self.tick()  # renewing the leases of the jobs still finishing their lines (claiming nothing)
-            except SQLAlchemyError:
-                pass
             for run in list(self.runs.values()):
                 run.thread.join(max(0.0, min(self.settings.jobs.poll_s, deadline - time.monotonic())))
         self.pool.shutdown(wait=False, cancel_futures=True)

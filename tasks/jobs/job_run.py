@@ -3,6 +3,7 @@ lease: validate the input file, keep a window of lines in flight, commit finishe
 output and error files (the module docstring of :mod:`tasks.jobs.feeder` tells the whole loop)."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
 import threading
@@ -73,6 +74,7 @@ class JobRun:
         self.generation: dict[int, int] = {}  # line -> its runs that ended past their deadline
         self.todo: deque[Line] = deque()
         self.finished: list[LineOutcome] = []
+        self._cursor, self._exhausted = -1, False  # the last line read from the database; whether none are left
         self.tenant = ""  # the job's, once read
         self.replayed = 0  # lines answered with an earlier run's answer (sent again after a crash)
 
@@ -142,7 +144,7 @@ class JobRun:
         """Send every pending line; returns how the job ends ("completed", "cancelled", "expired"), or None when
         this process must stop running it (lease lost, shutting down)."""
         settings = self.feeder.settings
-        cursor, exhausted = -1, False
+        self._cursor, self._exhausted = -1, False
         committed_at = time.monotonic()
         checked_at = 0.0
         ending: str | None = "cancelled" if job.status == "cancelling" else None
@@ -153,26 +155,15 @@ class JobRun:
                 reported_at = now
                 log.info("job %s: %d lines in flight (window %.0f), %d waiting to be sent, pause %.1f s", job.id,
                          len(self.in_flight), self.control.window, len(self.todo), self.control.wait_s(now))
-            if now - checked_at >= settings.jobs.poll_s:  # cancelled? expired?
+            if now - checked_at >= settings.jobs.poll_s:
                 checked_at = now
-                status = self.store.status(job.id)
-                if status == "cancelling":
-                    ending = "cancelled"
-                elif status not in ("in_progress",):
-                    ending = ending or "gone"
-                if ending is None and self.feeder.clock() >= job.expires_at:
-                    ending = "expired"
+                ending = self._ending(job, ending)
             stop = self.lost.is_set() or self.feeder.stopping.is_set()
             if ending is None and not stop:
-                if not exhausted and len(self.todo) < max(REFILL // 2, int(self.control.window)):
-                    more = self.store.pending(job.id, cursor, REFILL)
-                    self.todo.extend(x for x in more if x.line_no not in self.in_flight)
-                    cursor = more[-1].line_no if more else cursor
-                    exhausted = len(more) < REFILL
+                self._refill(job)
                 self._send(job, now)
             self._collect(min(0.05, self.control.wait_s(now) or 0.05))
-            if self.finished and (len(self.finished) >= COMMIT_MAX or time.monotonic() - committed_at
-                                  >= COMMIT_EVERY_S or not self.in_flight):
+            if self._commit_due(committed_at):
                 self._commit()
                 committed_at = time.monotonic()
             if self.in_flight or self.finished:
@@ -181,10 +172,35 @@ class JobRun:
                 return None
             if ending is not None:
                 return ending
-            if exhausted and not self.todo:
+            if self._exhausted and not self.todo:
                 if self.store.count(job.id, "pending") == 0:
                     return "completed"
-                cursor, exhausted = -1, False  # lines left behind (none expected): read them again
+                self._cursor, self._exhausted = -1, False  # lines left behind (none expected): read them again
+
+    def _ending(self, job: JobInfo, ending: str | None) -> str | None:
+        """How the job is to end as its row says now (cancelled, gone, expired), or None to go on."""
+        status = self.store.status(job.id)
+        if status == "cancelling":
+            ending = "cancelled"
+        elif status != "in_progress":
+            ending = ending or "gone"
+        if ending is None and self.feeder.clock() >= job.expires_at:
+            ending = "expired"
+        return ending
+
+    def _refill(self, job: JobInfo) -> None:
+        """Read the next pending lines from the database once fewer than the window (or half a refill) are left."""
+        if self._exhausted or len(self.todo) >= max(REFILL // 2, int(self.control.window)):
+            return
+        more = self.store.pending(job.id, self._cursor, REFILL)
+        self.todo.extend(x for x in more if x.line_no not in self.in_flight)
+        self._cursor = more[-1].line_no if more else self._cursor
+        self._exhausted = len(more) < REFILL
+
+    def _commit_due(self, committed_at: float) -> bool:
+        """Whether the finished lines are to be written now: enough of them, long enough, or nothing in flight."""
+        return bool(self.finished) and (len(self.finished) >= COMMIT_MAX or not self.in_flight
+                                        or time.monotonic() - committed_at >= COMMIT_EVERY_S)
 
     def _send(self, job: JobInfo, now: float) -> None:
         room = min(self.control.room(len(self.in_flight), now), len(self.todo))
@@ -279,10 +295,8 @@ class JobRun:
                 self._commit()
         if self.lost.is_set() or not self.feeder.stopping.is_set():
             return
-        try:
+        with contextlib.suppress(SQLAlchemyError):  # it lapses
             self.store.release(self.job_id, self.feeder.owner)
-        except SQLAlchemyError:
-            pass  # it lapses
 
     # -- the end ---------------------------------------------------------------------------------------------
     def _finalize(self, job: JobInfo, end: str) -> None:
@@ -297,7 +311,7 @@ class JobRun:
 
         def lines(want_ok: bool) -> Iterator[bytes]:
             for _, custom_id, request_id, status, output in self.store.all_lines(job.id):
-                if status == "ok" and want_ok or status == "error" and not want_ok:
+                if (status == "ok" and want_ok) or (status == "error" and not want_ok):
                     yield (output or "").encode() + b"\n"
                 elif status == "pending" and not want_ok:
                     yield error_line(request_id, custom_id, code or "batch_failed", message or "not run").encode() \

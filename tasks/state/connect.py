@@ -19,6 +19,7 @@ scripts (``register_script``) reload themselves on the new master when it answer
 """
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -69,11 +70,9 @@ class SentinelWaitingPool(_Bounded, SentinelConnectionPool, redis.BlockingConnec
         owned = self.owns_connection(connection)
         super().release(connection)
         if not owned:  # one to a former master, or one that never connected: its slot is free again (None)
-            with self._lock:  # the blocking pool would keep the object in its list for good: forget it
-                try:
-                    self._connections.remove(connection)
-                except ValueError:
-                    pass
+            # the blocking pool would keep the object in its list for good: forget it
+            with self._lock, contextlib.suppress(ValueError):
+                self._connections.remove(connection)
 
 
 @dataclass(frozen=True)

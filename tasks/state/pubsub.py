@@ -6,6 +6,7 @@ re-read whatever the messages would have told it.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -54,7 +55,5 @@ class Subscription:
                 log.warning("%s lost Redis (%s); reconnecting", self.name, exc)
                 time.sleep(RECONNECT_S)
             finally:
-                try:
+                with contextlib.suppress(Exception):  # closing a broken connection may raise; nothing left to clean
                     pubsub.close()
-                except Exception:  # closing a broken connection may raise; nothing left to clean
-                    pass

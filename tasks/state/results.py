@@ -99,7 +99,7 @@ def publish_deltas(client: redis.Redis, deltas: Iterable[tuple[str, str, str]]) 
 
 
 class _Waiter:
-    __slots__ = ("event", "deltas", "ready")
+    __slots__ = ("deltas", "event", "ready")
 
     def __init__(self) -> None:
         self.event = threading.Event()

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO
 
@@ -111,7 +111,7 @@ class Usage:
 def _utc(value: datetime | None) -> datetime | None:
     if value is None:
         return None
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 def _info(r: FileRecord) -> FileInfo:
@@ -194,11 +194,11 @@ class FileStore:
         return self.root / file_id
 
     def _now(self) -> datetime:
-        return datetime.fromtimestamp(self.clock(), tz=timezone.utc)
+        return datetime.fromtimestamp(self.clock(), tz=UTC)
 
     def _expires_at(self, created: datetime, expires_s: int | None) -> datetime | None:
         seconds = self.expire_s if expires_s is None else expires_s
-        return datetime.fromtimestamp(created.timestamp() + seconds, tz=timezone.utc) if seconds > 0 else None
+        return datetime.fromtimestamp(created.timestamp() + seconds, tz=UTC) if seconds > 0 else None
 
     @staticmethod
     def _live(now: datetime) -> ColumnElement[bool]:

@@ -16,7 +16,7 @@ import math
 import re
 import secrets
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 
 from sqlalchemy import select, union, update
 from sqlalchemy.dialects import postgresql, sqlite
@@ -79,7 +79,7 @@ def key_id_of(key: str) -> str | None:
 
 def _utc(value: datetime) -> datetime:
     """SQLite hands timezone-aware columns back naive; they were written in UTC."""
-    return value if value.tzinfo else value.replace(tzinfo=timezone.utc)
+    return value if value.tzinfo else value.replace(tzinfo=UTC)
 
 
 class KeyStore:
@@ -107,7 +107,7 @@ class KeyStore:
             try:
                 with Session(self.engine) as session, session.begin():
                     session.add(ApiKeyRecord(id=key_id, tenant=tenant, key_hash=hash_key(key), admin=admin,
-                                             label=label, created_at=datetime.now(timezone.utc)))
+                                             label=label, created_at=datetime.now(UTC)))
                 return key_id, key
             except IntegrityError:  # an 8-hex-digit id taken already: rare, and a new one is free
                 if attempt == 2:
@@ -119,7 +119,7 @@ class KeyStore:
         with Session(self.engine) as session, session.begin():
             done = session.execute(update(ApiKeyRecord)
                                    .where(ApiKeyRecord.id == key_id, ApiKeyRecord.revoked_at.is_(None))
-                                   .values(revoked_at=datetime.now(timezone.utc)))
+                                   .values(revoked_at=datetime.now(UTC)))
             return bool(done.rowcount == 1)  # type: ignore[attr-defined]
 
     def list_keys(self, tenant: str | None = None) -> list[KeyInfo]:
@@ -169,7 +169,7 @@ class KeyStore:
         TenantPolicy(name, weight if weight is not None else self.defaults.weight,
                      max_in_flight if max_in_flight is not None else self.defaults.max_in_flight,
                      self.defaults.priority).checked()
-        now = datetime.now(timezone.utc)
+        now = datetime.now(UTC)
         row = {"name": name, "weight": self.defaults.weight, "max_in_flight": None, "priority": None,
                "created_at": now, "updated_at": now} | changes
         with Session(self.engine) as session, session.begin():

@@ -5,6 +5,7 @@ on ``sys.path`` for both (pytest's rootdir, ``python -m bench.X`` run from the r
 - ``stack``: one system on the shared RabbitMQ, Redis and a ledger (gunicorn, batcher, workers) and its clean-up;
 - ``services``: private RabbitMQ vhosts and nodes, a private Redis, and their pytest fixtures;
 - ``loadgen``: the steady open-loop load (threads) and its report; ``pooled``: callers on one aiohttp pool;
-- ``helpers``: small client helpers; ``models``: a tiny Llama built offline;
+- ``helpers``: small client helpers; ``models``: a tiny Llama built offline; ``admitting``: one call admitted
+  through the round-trip admission API (production admits in rounds; unit tests mostly need one);
 - ``netns``: the system as separate hosts in network namespaces, and cables pulled under load.
 """

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -11,6 +12,17 @@ import requests
 def expected(text: str) -> str:
     """The sim model's output, computed independently of the worker's code."""
     return "sim:" + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def decoded(reply: bytes | str) -> str:
+    """A Redis reply as text: the tests' clients answer bytes, which redis-py types as ``bytes | str``."""
+    return reply.decode() if isinstance(reply, bytes) else reply
+
+
+def scored(reply: Sequence[Any]) -> list[tuple[str, float]]:
+    """A ``ZRANGE ... WITHSCORES`` reply as (member, score) pairs (redis-py types it without knowing the scores
+    were asked for)."""
+    return [(decoded(member), float(score)) for member, score in reply]
 
 
 def post(url: str, body: Any = None, *, data: bytes | str | None = None, headers: dict[str, str] | None = None,
@@ -34,4 +46,4 @@ def assert_json_error(response: requests.Response, status: int, type_: str | Non
     assert error["request_id"] == response.headers["X-Request-Id"]
     if type_:
         assert error["type"] == type_
-    return error  # type: ignore[no-any-return]
+    return error

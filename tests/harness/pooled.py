@@ -50,7 +50,7 @@ def keyed_stack(tmp: Path, batchers: int = 1, embed: bool = False,
     """The system as these scenarios run it: API keys on, one sim worker at 250 ms per batch (400/s), two API
     processes, ``batchers`` batchers, and (``embed``) an all-MiniLM-L6-v2 worker for /v1/embeddings."""
     workers: list[WorkerSpec] = [0, (1, {"backend": "hf-embed"})] if embed else [0]
-    return running_stack(tmp, workers=workers, batchers=batchers, **{"auth": "keys", "sim_batch_ms": 250, **env})
+    return running_stack(tmp, workers=workers, batchers=batchers, settings={"auth": "keys", "sim_batch_ms": 250, **env})
 
 
 def key(stack: Stack, tenant: str) -> str:
@@ -89,7 +89,7 @@ async def call(http: aiohttp.ClientSession, url: str, tenant: str, *, key: str |
                              timeout=aiohttp.ClientTimeout(total=timeout_ms / 1000 + CLIENT_SLACK_S)) as response:
             raw = await response.read()
             status = response.status
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         return Call(tenant, sent, 0, time.monotonic() - sent, error=f"{type(exc).__name__}: {exc}"[:200])
     now = time.monotonic()
     done = Call(tenant, sent, status, now - sent, wait_s=now - traced.get("sent", sent))

@@ -13,6 +13,7 @@ alarm cleared after each test). Import them into a test module to use them.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import pwd
 import shutil
@@ -186,9 +187,9 @@ class PrivateRabbit:
             "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
             "ERL_EPMD_ADDRESS": "127.0.0.1",  # the shared epmd answers; if none runs, the one started stays local
         }
-        log = open(d / "server.out", "ab")
-        self.proc = subprocess.Popen([RABBIT_SERVER], cwd=d, env=env, user=user.pw_uid, group=user.pw_gid,
-                                     stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(d / "server.out", "ab") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen([RABBIT_SERVER], cwd=d, env=env, user=user.pw_uid, group=user.pw_gid,
+                                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         atexit.register(self.stop)  # should the session's finaliser never run
         try:
             wait_for(self._ready, timeout_s, f"the private RabbitMQ node {self.node}")
@@ -239,10 +240,9 @@ class PrivateRabbit:
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait(timeout=30)
-        try:  # anything of the node's process group still about (the beam, its port programs)
+        # anything of the node's process group still about (the beam, its port programs)
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         shutil.rmtree(self.dir, ignore_errors=True)
         atexit.unregister(self.stop)
 

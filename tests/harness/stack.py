@@ -13,15 +13,16 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, suppress
 from pathlib import Path
-from typing import TypeVar, overload
+from typing import Any, TypeVar, overload
 
 import redis
 import requests
 from kombu import Connection
 
 from tasks.state.connect import redis_client
+from tests.harness.helpers import decoded
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -53,11 +54,12 @@ class Stack:
 
     # -- processes -----------------------------------------------------------------------------------
     def _spawn(self, name: str, argv: list[str], raw_env: dict[str, str] | None = None,
-               **env: object) -> subprocess.Popen[bytes]:
-        extra = {f"LLMB_{k.upper()}": str(v) for k, v in env.items()} | (raw_env or {})
-        log = open(self.tmp / f"{name}.log", "ab")
-        proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+               settings: Mapping[str, object] | None = None) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as ``name``; ``settings``: LLMB_* settings of this process only, without the prefix."""
+        extra = {f"LLMB_{k.upper()}": str(v) for k, v in (settings or {}).items()} | (raw_env or {})
+        with open(self.tmp / f"{name}.log", "ab") as log:  # the child keeps its own copy of the descriptor
+            proc = subprocess.Popen(argv, cwd=ROOT, env={**self.env, **extra}, stdout=log,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
         self.procs[name] = proc
         self.groups.add(proc.pid)
         return proc
@@ -71,21 +73,22 @@ class Stack:
                                  f"{done.stdout}\n{done.stderr}")
         return done
 
-    def fleet(self) -> dict[str, dict[str, object]]:
+    def fleet(self) -> dict[str, dict[str, Any]]:
         """Heartbeats by worker id, as the workers wrote them."""
-        return {k.decode(): json.loads(v) for k, v in self.redis.hgetall(f"{self.namespace}:fleet").items()}
+        return {decoded(k): json.loads(v) for k, v in self.redis.hgetall(f"{self.namespace}:fleet").items()}
 
     def start_worker(self, device: int, backend: str = "sim", model: str | None = None,
                      **env: object) -> subprocess.Popen[bytes]:
         argv = [str(BIN / "gpu-worker"), "--gpu", str(device), "--host", "test", "--backend", backend]
-        return self._spawn(f"gpu{device}", argv + (["--model", model] if model else []), **env)
+        return self._spawn(f"gpu{device}", argv + (["--model", model] if model else []), settings=env)
 
     def start_batcher(self, name: str = "batcher", **env: object) -> subprocess.Popen[bytes]:
-        return self._spawn(name, [str(BIN / "llmb-batcher"), "--hostname", f"{name}.{self.namespace}@test"], **env)
+        return self._spawn(name, [str(BIN / "llmb-batcher"), "--hostname", f"{name}.{self.namespace}@test"],
+                           settings=env)
 
     def start_jobs(self, name: str = "jobs", **env: object) -> subprocess.Popen[bytes]:
         """An `llmb-jobs` process (the Batch API's job runner)."""
-        return self._spawn(name, [str(BIN / "llmb-jobs")], **env)
+        return self._spawn(name, [str(BIN / "llmb-jobs")], settings=env)
 
     FLOWER_AUTH = ("ops", "flower-test-secret")
 
@@ -100,7 +103,7 @@ class Stack:
         """gunicorn on ``port`` (a free one by default; pass the old one to restart it where callers know it)."""
         port = port or free_port()
         self._spawn(name, [str(BIN / "gunicorn"), "-c", "webapp/gunicorn_conf.py", "webapp:create_app()"],
-                    web_bind=f"127.0.0.1:{port}", web_workers=workers, **env)
+                    settings={"web_bind": f"127.0.0.1:{port}", "web_workers": workers, **env})
         url = f"http://127.0.0.1:{port}"
         wait_for(lambda: _get(url + "/healthz") == 200, 20, f"gunicorn on {url}")
         if name == "web":
@@ -184,7 +187,7 @@ class Stack:
                 while not started and time.monotonic() < deadline:
                     try:
                         conn.drain_events(timeout=max(0.01, deadline - time.monotonic()))
-                    except socket.timeout:
+                    except TimeoutError:
                         break
                 return bool(started)
 
@@ -209,8 +212,8 @@ class Stack:
                 emptied.append(time.time())
                 return False
             after = max(since, emptied[0])
-            return all(float(beats[name]["heartbeat_at"]) > after and beats[name]["state"] == "idle"  # type: ignore[arg-type]
-                       and not int(beats[name].get("outstanding") or 0) for name in names)  # type: ignore[call-overload]
+            return all(float(beats[name]["heartbeat_at"]) > after and beats[name]["state"] == "idle"
+                       and not int(beats[name].get("outstanding") or 0) for name in names)
 
         wait_for(idle, timeout_s, f"{workers} worker(s) idle, with empty queues, in heartbeats since {since:.3f}")
 
@@ -337,10 +340,8 @@ class Stack:
             except Exception:  # one stubborn process must not leave the others running
                 self.procs.pop(name, None)
         for pid in self.leftovers():  # an orphaned worker whose supervisor was killed, say
-            try:
+            with suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
         try:
             for key in self.redis.scan_iter(f"{self.namespace}:*", count=1000):
                 self.redis.delete(key)
@@ -363,24 +364,30 @@ WorkerSpec = int | tuple[int, Mapping[str, object]]  # a device index, or one wi
 @overload
 def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = ..., batchers: int = ...,
                   web_workers: int | None = ..., jobs: Sequence[str] = ..., ready: bool = ...,
-                  factory: Callable[..., S], **env: object) -> AbstractContextManager[S]: ...
+                  settings: Mapping[str, object] | None = ..., factory: Callable[..., S],
+                  **env: object) -> AbstractContextManager[S]: ...
 
 
 @overload
 def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = ..., batchers: int = ...,
                   web_workers: int | None = ..., jobs: Sequence[str] = ..., ready: bool = ...,
-                  **env: object) -> AbstractContextManager[Stack]: ...
+                  settings: Mapping[str, object] | None = ..., **env: object) -> AbstractContextManager[Stack]: ...
 
 
 @contextmanager  # type: ignore[misc]
 def running_stack(tmp: Path, *, workers: Sequence[WorkerSpec] = (0,), batchers: int = 1,
                   web_workers: int | None = 2, jobs: Sequence[str] = (), ready: bool = True,
-                  factory: Callable[..., Stack] = Stack, **env: object) -> Iterator[Stack]:
+                  settings: Mapping[str, object] | None = None, factory: Callable[..., Stack] = Stack,
+                  **env: object) -> Iterator[Stack]:
     """The one way an end-to-end test starts the system: ``workers`` (``1`` or ``(1, {"model": "slow"})``),
     ``batchers`` batchers, gunicorn with ``web_workers`` processes (None: no web API), an `llmb-jobs` per name in
-    ``jobs``; ``env`` are settings without their ``LLMB_`` prefix. It waits until every worker is ready, and
-    stops everything (and removes the stack's queues and keys) however the test ends."""
-    stack = factory(tmp, **env)
+    ``jobs``; ``env`` are settings without their ``LLMB_`` prefix (``settings``: more of them as a mapping, for a
+    caller that passes its own on; one given both ways is an error, as a repeated keyword is). It waits until every
+    worker is ready, and stops everything (and removes the stack's queues and keys) however the test ends."""
+    twice = sorted((settings or {}).keys() & env.keys())
+    if twice:
+        raise TypeError(f"running_stack() got settings given twice: {', '.join(twice)}")
+    stack = factory(tmp, **{**(settings or {}), **env})
     try:
         for spec in workers:
             device, options = (spec, {}) if isinstance(spec, int) else spec

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -38,7 +38,7 @@ import redis
 import requests
 from kombu import Connection
 
-from tests.harness.helpers import expected
+from tests.harness.helpers import decoded, expected, scored
 from tests.harness.loadgen import SteadyLoad
 from tests.harness.netns.servicehost import ServiceHost, servers_unavailable
 from tests.harness.netns.topology import DEFAULT_HOSTS, WEB_PORT, NetnsThread, Network, Proc, netns_unavailable, tail
@@ -167,15 +167,15 @@ class Hosts:
 
     # -- processes ---------------------------------------------------------------------------------------------
     def spawn(self, name: str, host: str, argv: list[str], raw_env: dict[str, str] | None = None,
-              **env: object) -> Proc:
-        """Start ``argv`` on ``host`` (``ip netns exec``) as ``name``, in a process group of its own; ``env``:
-        LLMB_* settings of this process only."""
-        extra = {f"LLMB_{k.upper()}": str(v) for k, v in env.items()} | (raw_env or {})
+              settings: Mapping[str, object] | None = None) -> Proc:
+        """Start ``argv`` on ``host`` (``ip netns exec``) as ``name``, in a process group of its own; ``settings``:
+        LLMB_* settings of this process only, without the prefix."""
+        extra = {f"LLMB_{k.upper()}": str(v) for k, v in (settings or {}).items()} | (raw_env or {})
         log_path = self.logs / f"{name}.log"
-        log = open(log_path, "ab")
-        popen = subprocess.Popen(["ip", "netns", "exec", self.hosts[host].ns, *argv], cwd=ROOT,
-                                 env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT,
-                                 start_new_session=True)
+        with open(log_path, "ab") as log:  # the child keeps its own copy of the descriptor
+            popen = subprocess.Popen(["ip", "netns", "exec", self.hosts[host].ns, *argv], cwd=ROOT,
+                                     env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         self.procs[name] = Proc(name, host, popen, log_path)
         return self.procs[name]
 
@@ -183,15 +183,15 @@ class Hosts:
         """Start ``host``'s process (the process named after its host); None for svc and client."""
         if host.startswith("gpu"):
             return self.spawn(host, host, [str(BIN / "gpu-worker"), "--gpu", "0", "--host", host, "--backend", "sim"],
-                              **env)
+                              settings=env)
         if host.startswith("batcher"):
             return self.spawn(host, host, [str(BIN / "llmb-batcher"), "--hostname", f"{host}.{self.namespace}@{host}"],
-                              **env)
+                              settings=env)
         if host.startswith("api"):
             env = {"web_bind": f"{self.addr(host)}:{WEB_PORT}", "web_workers": self.web_workers, **env}
             return self.spawn(host, host, [str(BIN / "gunicorn"), "-c", "webapp/gunicorn_conf.py",
                                            "webapp:create_app()"],
-                              raw_env={"PROMETHEUS_MULTIPROC_DIR": str(self.logs / f"metrics-{host}")}, **env)
+                              raw_env={"PROMETHEUS_MULTIPROC_DIR": str(self.logs / f"metrics-{host}")}, settings=env)
         return None
 
     def running(self, name: str) -> bool:
@@ -284,13 +284,15 @@ class Hosts:
     def fleet(self) -> dict[str, dict[str, Any]]:
         """Heartbeats by worker id, as the workers wrote them."""
         raw = self.redis(lambda r: r.hgetall(f"{self.namespace}:fleet"))
-        return {k.decode(): json.loads(v) for k, v in raw.items()}
+        return {decoded(k): json.loads(v) for k, v in raw.items()}
 
     def fresh(self, host: str, stale_s: float | None = None) -> bool:
         """Whether ``host``'s worker has heartbeated (idle or busy) within the stale time."""
         stale = self.heartbeat_stale_s if stale_s is None else stale_s
         beat = self.fleet().get(self.worker_id(host))
-        return bool(beat) and time.time() - float(beat["heartbeat_at"]) < stale and beat["state"] in ("idle", "busy")
+        if not beat:
+            return False
+        return time.time() - float(beat["heartbeat_at"]) < stale and beat["state"] in ("idle", "busy")
 
     @property
     def heartbeat_stale_s(self) -> float:
@@ -303,11 +305,11 @@ class Hosts:
 
     def leases(self) -> dict[str, float]:
         """API processes' admission leases: instance -> seconds until expiry (Redis's clock)."""
-        def read(r: redis.Redis) -> tuple[list[tuple[bytes, float]], Any]:
-            return r.zrange(f"{self.namespace}:inflight:instances", 0, -1, withscores=True), r.time()
+        def read(r: redis.Redis) -> tuple[list[tuple[str, float]], tuple[int, int]]:
+            return scored(r.zrange(f"{self.namespace}:inflight:instances", 0, -1, withscores=True)), r.time()
         members, (sec, usec) = self.redis(read)
         now = sec + usec / 1e6
-        return {m.decode(): score - now for m, score in members}
+        return {m: score - now for m, score in members}
 
     def queue(self, name: str) -> tuple[int, int]:
         """(messages ready, consumers) of a queue, by a passive declare from the client host."""

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import redis
 from kombu import Connection
 
+from tests.harness.helpers import decoded
 from tests.harness.netns.topology import enter_netns
 
 if TYPE_CHECKING:
@@ -52,6 +53,14 @@ class OutstandingSampler:
         self._stop.set()
         self._thread.join(timeout=10)
 
+    def _read_fleet(self, client: redis.Redis, held: dict[str, int], fresh: dict[str, bool]) -> None:
+        """What each worker's heartbeat says it holds, and whether that heartbeat is fresh (the worker in the pool)."""
+        now = time.time()
+        for wid, raw in client.hgetall(f"{self.h.namespace}:fleet").items():
+            beat, host = json.loads(raw), decoded(wid).split("@", 1)[1]
+            held[host] = int(beat.get("outstanding") or 0)
+            fresh[host] = now - float(beat.get("heartbeat_at") or 0) < self.h.heartbeat_stale_s
+
     def _run(self) -> None:
         enter_netns(self.h.hosts["client"].ns)
         client = redis.Redis.from_url(self.h.redis_url, socket_timeout=1, socket_connect_timeout=1)
@@ -67,11 +76,7 @@ class OutstandingSampler:
                     conn.connect()
                 channel = conn.default_channel
                 if n % 4 == 0:
-                    now = time.time()
-                    for wid, raw in client.hgetall(f"{self.h.namespace}:fleet").items():
-                        beat, host = json.loads(raw), wid.decode().split("@", 1)[1]
-                        held[host] = int(beat.get("outstanding") or 0)
-                        fresh[host] = now - float(beat.get("heartbeat_at") or 0) < self.h.heartbeat_stale_s
+                    self._read_fleet(client, held, fresh)
                 for host in self.h.gpu_hosts:
                     _, ready, consumers = channel.queue_declare(self.h.gpu_queue(host), passive=True)
                     if not fresh.get(host):  # out of the pool (cut off, say): nobody sends it anything
@@ -81,8 +86,10 @@ class OutstandingSampler:
                     waiting, last_ready[host] = min(int(ready), last_ready.get(host, 0)), int(ready)
                     if not consumers:  # its connection is gone: what it held is back in the queue, ready
                         out = waiting
-                    else:
-                        out = waiting + self.prefetch if waiting else held.get(host, 0)
+                    elif waiting:  # a full prefetch held besides what waits
+                        out = waiting + self.prefetch
+                    else:  # what the worker says it holds
+                        out = held.get(host, 0)
                     if out > self.max_outstanding.get(host, -1):
                         self.max_outstanding[host] = out
                         self.max_at[host] = round(time.monotonic() - self.started_at, 2)

@@ -3,12 +3,14 @@ pulled under load from a GPU host, the active batcher's host or an API host, and
 another's steady calls; each returns what happened as callers and the system saw it."""
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import redis
 
+from tests.harness.helpers import decoded, scored
 from tests.harness.loadgen import LoadReport, carry_on, report_of, warm
 from tests.harness.netns.hosts import Hosts
 from tests.harness.netns.sampler import OutstandingSampler
@@ -164,8 +166,8 @@ def api_cut(h: Hosts, victim: str = "api", beside: str | None = None, rate: floa
         cut_at = h.cut(victim)
 
         def leases_and_owners(r: redis.Redis) -> dict[str, tuple[float, list[str]]]:
-            return {m.decode(): (score, [k.decode() for k in r.hkeys(f"{ns}:inflight:owner:{m.decode()}")])
-                    for m, score in r.zrange(f"{ns}:inflight:instances", 0, -1, withscores=True)}
+            return {m: (score, [decoded(k) for k in r.hkeys(f"{ns}:inflight:owner:{m}")])
+                    for m, score in scored(r.zrange(f"{ns}:inflight:instances", 0, -1, withscores=True))}
 
         snapshot = h.redis(leases_and_owners)  # the cut processes can change nothing of theirs from now on
 
@@ -173,7 +175,7 @@ def api_cut(h: Hosts, victim: str = "api", beside: str | None = None, rate: floa
             """(items the cut host's processes had admitted at the cut, those still admitted, their leases
             reaped)."""
             def read(r: redis.Redis) -> tuple[int, int, int]:
-                live = {m.decode(): s for m, s in r.zrange(f"{ns}:inflight:instances", 0, -1, withscores=True)}
+                live = dict(scored(r.zrange(f"{ns}:inflight:instances", 0, -1, withscores=True)))
                 victims = [i for i in snapshot if i not in live or live[i] == snapshot[i][0]]
                 ids = [x for i in victims for x in snapshot[i][1]]
                 still = sum(1 for s in (r.zmscore(f"{ns}:inflight", ids) if ids else []) if s is not None)
@@ -199,10 +201,8 @@ def api_cut(h: Hosts, victim: str = "api", beside: str | None = None, rate: floa
         h.restore_all()
         report = load.stop()
         other_report = other.stop() if other is not None else None
-    try:
+    with contextlib.suppress(TimeoutError):
         wait_for(lambda: h.inflight() == 0, 10, "admission to empty after the loads")
-    except TimeoutError:
-        pass
     return ApiCut(victim, report, other_report, held_at_cut, released, still, reaped, resumed, h.inflight(),
                   timeout_ms, h.redis(lambda r: admitted_items(r, ns)))
 
@@ -212,11 +212,11 @@ def admitted_items(r: redis.Redis, ns: str) -> list[tuple[str, float, str | None
     instance whose owner hash holds it, if any)."""
     sec, usec = r.time()
     now = sec + usec / 1e6
-    owners = [k.decode() for k in r.scan_iter(f"{ns}:inflight:owner:*")]
+    owners = [decoded(k) for k in r.scan_iter(f"{ns}:inflight:owner:*")]
     out = []
-    for member, score in r.zrange(f"{ns}:inflight", 0, -1, withscores=True):
+    for member, score in scored(r.zrange(f"{ns}:inflight", 0, -1, withscores=True)):
         owner = next((o.rsplit(":", 1)[1] for o in owners if r.hexists(o, member)), None)
-        out.append((member.decode(), round(score - now, 1), owner))
+        out.append((member, round(score - now, 1), owner))
     return out
 
 

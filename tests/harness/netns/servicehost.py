@@ -100,8 +100,9 @@ class ServiceHost:
         }
         argv = ["ip", "netns", "exec", svc.ns, "setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
                 "--init-groups", RABBIT_SERVER]
-        log = open(d / "server.out", "ab")
-        popen = subprocess.Popen(argv, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        with open(d / "server.out", "ab") as log:  # the child keeps its own copy of the descriptor
+            popen = subprocess.Popen(argv, cwd=d, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
         return Proc("rabbitmq", "svc", popen, d / "server.out")
 
     def _start_redis(self) -> Proc:
@@ -109,7 +110,8 @@ class ServiceHost:
         argv = ["ip", "netns", "exec", svc.ns, REDIS_SERVER, "--bind", svc.addr, "--port", str(REDIS_PORT),
                 "--save", "", "--appendonly", "no", "--protected-mode", "no", "--dir", str(self.rabbit_dir)]
         log_path = self.logs / "redis.log"
-        popen = subprocess.Popen(argv, stdout=open(log_path, "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+        with open(log_path, "ab") as log:
+            popen = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         return Proc("redis", "svc", popen, log_path)
 
     def _rabbit_up(self, proc: Proc) -> bool:
