@@ -68,7 +68,10 @@ def request_body(requests: Sequence[InferenceRequest]) -> str:
 def requests_of(body: str | bytes) -> list[InferenceRequest]:
     """The calls in a request message (also the one-call body that API processes before rounds published, so a
     rolling upgrade loses nothing). Raises ValueError when it is malformed."""
-    decoded = json.loads(body)
+    try:
+        decoded = json.loads(body)
+    except ValueError as exc:  # JSONDecodeError and bad UTF-8 alike
+        raise ValueError(f"not a request message (not JSON: {exc})") from None
     try:
         if isinstance(decoded, dict) and "requests" in decoded:
             requests = [InferenceRequest.from_dict(r) for r in decoded["requests"]]

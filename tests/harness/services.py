@@ -154,6 +154,32 @@ def own_vhost() -> Iterator[Vhost]:
 
 
 # -- a RabbitMQ node of our own -----------------------------------------------------------------------------------
+def rabbit_node_files(d: Path, node: str, listener: str, *, heartbeat_s: float | None = None
+                      ) -> tuple[pwd.struct_passwd, dict[str, str]]:
+    """Write a private RabbitMQ node's files into ``d`` (AMQP on ``listener``, ``host:port``), owned by the rabbitmq
+    user, and return that user and the node's environment: its own config, data, logs, pid and feature-flag
+    files (none of the machine's), distribution on loopback. The caller adds its ports and epmd."""
+    conf = f"listeners.tcp.default = {listener}\nloopback_users = none\n"
+    if heartbeat_s is not None:
+        conf += f"heartbeat = {heartbeat_s}\n"
+    (d / "rabbitmq.conf").write_text(conf)
+    (d / "enabled_plugins").write_text("[].\n")
+    (d / "rabbitmq-env.conf").write_text("")  # not the machine's, which names the shared node
+    user = pwd.getpwnam("rabbitmq")
+    for path in [d, *d.iterdir()]:
+        os.chown(path, user.pw_uid, user.pw_gid)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": user.pw_dir, "LANG": "C.UTF-8",
+        "RABBITMQ_NODENAME": node, "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq.conf"),
+        "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
+        "RABBITMQ_MNESIA_BASE": str(d / "mnesia"), "RABBITMQ_LOG_BASE": str(d / "log"),
+        "RABBITMQ_FEATURE_FLAGS_FILE": str(d / "feature_flags"), "RABBITMQ_PID_FILE": str(d / "node.pid"),
+        "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
+        "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
+    }
+    return user, env
+
+
 class PrivateRabbit:
     """A RabbitMQ node of its own (own node name, AMQP and distribution ports, data, logs), run as the rabbitmq
     user with the shared epmd; its alarms concern nobody else."""
@@ -171,22 +197,9 @@ class PrivateRabbit:
 
     def start(self, timeout_s: float = 60) -> None:
         d = self.dir
-        (d / "rabbitmq.conf").write_text(f"listeners.tcp.default = 127.0.0.1:{self.port}\nloopback_users = none\n")
-        (d / "enabled_plugins").write_text("[].\n")
-        (d / "rabbitmq-env.conf").write_text("")  # not the machine's, which names the shared node
-        user = pwd.getpwnam("rabbitmq")
-        for path in [d, *d.iterdir()]:
-            os.chown(path, user.pw_uid, user.pw_gid)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": user.pw_dir, "LANG": "C.UTF-8",
-            "RABBITMQ_NODENAME": self.node, "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq.conf"),
-            "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
-            "RABBITMQ_MNESIA_BASE": str(d / "mnesia"), "RABBITMQ_LOG_BASE": str(d / "log"),
-            "RABBITMQ_FEATURE_FLAGS_FILE": str(d / "feature_flags"), "RABBITMQ_PID_FILE": str(d / "node.pid"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"), "RABBITMQ_DIST_PORT": str(self.dist_port),
-            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-            "ERL_EPMD_ADDRESS": "127.0.0.1",  # the shared epmd answers; if none runs, the one started stays local
-        }
+        user, env = rabbit_node_files(d, self.node, f"127.0.0.1:{self.port}")
+        env.update(RABBITMQ_DIST_PORT=str(self.dist_port),
+                   ERL_EPMD_ADDRESS="127.0.0.1")  # the shared epmd answers; if none runs, the one started stays local
         with open(d / "server.out", "ab") as log:  # the child keeps its own copy of the descriptor
             self.proc = subprocess.Popen([RABBIT_SERVER], cwd=d, env=env, user=user.pw_uid, group=user.pw_gid,
                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -19,6 +19,7 @@ import redis
 from kombu import Connection
 
 from tests.harness.netns.topology import AMQP_PORT, REDIS_PORT, Network, Proc, tail
+from tests.harness.services import rabbit_node_files
 from tests.harness.stack import wait_for
 
 RABBIT_SERVER = "/usr/lib/rabbitmq/bin/rabbitmq-server"  # the real script; /usr/sbin's wrapper su's and logs away
@@ -77,27 +78,10 @@ class ServiceHost:
 
     def _start_rabbit(self) -> Proc:
         d, svc = self.rabbit_dir, self.svc
-        conf = f"listeners.tcp.default = {svc.addr}:{AMQP_PORT}\nloopback_users = none\n"
-        if self.heartbeat_s is not None:
-            conf += f"heartbeat = {self.heartbeat_s}\n"
-        (d / "rabbitmq.conf").write_text(conf)
-        (d / "enabled_plugins").write_text("[].\n")
-        (d / "rabbitmq-env.conf").write_text("")  # not the machine's, which names the shared node
-        user = pwd.getpwnam("rabbitmq")
-        for path in [d, *d.iterdir()]:
-            os.chown(path, user.pw_uid, user.pw_gid)
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": user.pw_dir, "LANG": "C.UTF-8",
-            "RABBITMQ_NODENAME": self.node, "RABBITMQ_NODE_IP_ADDRESS": svc.addr,
-            "RABBITMQ_NODE_PORT": str(AMQP_PORT), "RABBITMQ_DIST_PORT": "25672",
-            "RABBITMQ_CONFIG_FILE": str(d / "rabbitmq.conf"), "RABBITMQ_CONF_ENV_FILE": str(d / "rabbitmq-env.conf"),
-            "RABBITMQ_MNESIA_BASE": str(d / "mnesia"), "RABBITMQ_LOG_BASE": str(d / "log"),
-            "RABBITMQ_FEATURE_FLAGS_FILE": str(d / "feature_flags"), "RABBITMQ_PID_FILE": str(d / "node.pid"),
-            "RABBITMQ_ENABLED_PLUGINS_FILE": str(d / "enabled_plugins"),
-            # distribution and epmd on svc's own loopback: its epmd is the namespace's, colliding with nobody
-            "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS": "-kernel inet_dist_use_interface {127,0,0,1}",
-            "ERL_EPMD_ADDRESS": "127.0.0.1",
-        }
+        user, env = rabbit_node_files(d, self.node, f"{svc.addr}:{AMQP_PORT}", heartbeat_s=self.heartbeat_s)
+        # distribution and epmd on svc's own loopback: its epmd is the namespace's, colliding with nobody
+        env.update(RABBITMQ_NODE_IP_ADDRESS=svc.addr, RABBITMQ_NODE_PORT=str(AMQP_PORT), RABBITMQ_DIST_PORT="25672",
+                   ERL_EPMD_ADDRESS="127.0.0.1")
         argv = ["ip", "netns", "exec", svc.ns, "setpriv", f"--reuid={user.pw_uid}", f"--regid={user.pw_gid}",
                 "--init-groups", RABBIT_SERVER]
         with open(d / "server.out", "ab") as log:  # the child keeps its own copy of the descriptor
