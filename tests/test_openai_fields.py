@@ -139,12 +139,17 @@ def test_n_choices_are_items_of_one_call_reproducible_with_a_seed(client: openai
     ones = [client.chat.completions.create(model=LM, messages=messages, max_tokens=10, seed=5 + j) for j in range(3)]
     assert [o.choices[0].message.content for o in ones] == texts
     assert three.usage is not None and all(o.usage is not None for o in ones)
-    assert three.usage.prompt_tokens == sum(o.usage.prompt_tokens for o in ones if o.usage)
+    # usage as OpenAI and vLLM count it: the one prompt once, every choice's completion
+    one = ones[0].usage
+    assert one is not None and three.usage.prompt_tokens == one.prompt_tokens
     assert three.usage.completion_tokens == sum(o.usage.completion_tokens for o in ones if o.usage)
     batch = client.completions.create(model=LM, prompt=["first prompt", "second prompt"], max_tokens=6, n=2, seed=9)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     alone = client.completions.create(model=LM, prompt="second prompt", max_tokens=6, n=2, seed=9)
     assert [c.text for c in batch.choices[2:]] == [c.text for c in alone.choices]  # prompt-major, as OpenAI's
+    first = client.completions.create(model=LM, prompt="first prompt", max_tokens=6, seed=9)
+    assert batch.usage is not None and alone.usage is not None and first.usage is not None
+    assert batch.usage.prompt_tokens == first.usage.prompt_tokens + alone.usage.prompt_tokens  # each prompt once
 
 
 def test_n_out_of_range_or_streamed_is_a_400(lm_stack: Stack) -> None:

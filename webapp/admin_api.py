@@ -59,8 +59,9 @@ def set_tenant(name: str) -> Response:
     unknown = set(body) - {"weight", "max_in_flight", "priority"}
     if unknown:
         raise InvalidInput(f"unknown field(s): {', '.join(sorted(unknown))}")
-    if body.get("max_in_flight") is not None and json_integer(body["max_in_flight"]) is not None:
-        body["max_in_flight"] = json_integer(body["max_in_flight"])  # 5.0 is the integer 5, as JSON counts
+    cap = json_integer(body.get("max_in_flight"))
+    if cap is not None:
+        body["max_in_flight"] = cap  # 5.0 is the integer 5, as JSON counts
     kinds = {"weight": (int, float), "max_in_flight": (int,), "priority": (str,)}
     for field, value in body.items():
         if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[field])):

@@ -38,9 +38,10 @@ def render(shape: Shape, model: str, answer: Answer, started: float | None = Non
         return native(answer, single=shape.single, started=started)
     created = int(answer.accepted_at)
     if shape.route == "completions":
-        return completion_response(answer.request_id, model, answer.results, created=created)
+        return completion_response(answer.request_id, model, answer.results, created=created,
+                                   choices=shape.choices)
     if shape.route == "chat":
-        return chat_response(answer.request_id, model, answer.results, created=created)
+        return chat_response(answer.request_id, model, answer.results, created=created, choices=shape.choices)
     return embeddings_response(model, answer.results, shape.encoding)
 
 

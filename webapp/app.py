@@ -4,7 +4,6 @@
 """
 from __future__ import annotations
 
-import functools
 import importlib.metadata
 import json
 import logging
@@ -65,6 +64,12 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)
     app.add_url_rule("/metrics", view_func=metrics)
+    document = _document(settings)
+
+    def openapi_json() -> Response:
+        """The OpenAPI 3.1 document of every route (:mod:`webapp.openapi`); no key needed, as with /healthz."""
+        return Response(document, mimetype="application/json")
+
     app.add_url_rule("/openapi.json", view_func=openapi_json)
     return app
 
@@ -114,18 +119,13 @@ def readyz() -> Response:
     return jsonify(status="ready", **services().gateway.ping())
 
 
-@functools.cache
-def _document() -> bytes:
+def _document(settings: Settings) -> bytes:
+    """The OpenAPI document of this app's settings, as JSON (built once, in :func:`create_app`)."""
     try:
         version = importlib.metadata.version("llm-batcher")
     except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
         version = "0"
-    return json.dumps(openapi.document(version, services().settings)).encode()
-
-
-def openapi_json() -> Response:
-    """The OpenAPI 3.1 document of every route (:mod:`webapp.openapi`); no key needed, as with /healthz."""
-    return Response(_document(), mimetype="application/json")
+    return json.dumps(openapi.document(version, settings)).encode()
 
 
 def metrics() -> Response:

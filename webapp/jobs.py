@@ -93,8 +93,10 @@ class LineRunner:
         shape = Shape(route)
         if route == "completions":
             call, _ = parse_completion(body, settings, request_id, job.tenant)
+            shape = Shape(route, choices=call.params.get("n", 1))
         elif route == "chat":
             call, _ = parse_chat(body, settings, request_id, job.tenant)
+            shape = Shape(route, choices=call.params.get("n", 1))
         elif route == "embeddings":
             call, encoding = parse_embeddings(body, settings, request_id, job.tenant)
             shape = Shape(route, encoding=encoding)

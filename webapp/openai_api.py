@@ -130,7 +130,7 @@ def _data(payload: dict[str, Any]) -> str:
 @tenancy.authenticated
 def completions() -> Response:
     call, stream = _parsed(parse_completion)
-    shape = Shape("completions", stream=stream is not None)
+    shape = Shape("completions", stream=stream is not None, choices=call.params.get("n", 1))
     if stream is not None:
         return _sse(call, "completions", shape, stream)
     return jsonify(answers.render(shape, call.model, _run(call, "completions", shape)))
@@ -140,7 +140,7 @@ def completions() -> Response:
 @tenancy.authenticated
 def chat_completions() -> Response:
     call, stream = _parsed(parse_chat)
-    shape = Shape("chat", stream=stream is not None)
+    shape = Shape("chat", stream=stream is not None, choices=call.params.get("n", 1))
     if stream is not None:
         return _sse(call, "chat", shape, stream)
     return jsonify(answers.render(shape, call.model, _run(call, "chat", shape)))

@@ -213,32 +213,34 @@ def parse_embeddings(body: Any, settings: Settings, request_id: str, tenant: str
 
 
 # -- responses -----------------------------------------------------------------------------------------
-def usage(results: tuple[ItemResult, ...]) -> dict[str, int]:
-    """Token counts as the workers reported them (OpenAI's ``usage``)."""
-    prompt = sum(int(r.output.get("prompt_tokens", 0)) for r in results)
+def usage(results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, int]:
+    """Token counts as the workers reported them (OpenAI's ``usage``): each prompt's tokens once, however many
+    ``choices`` it was asked for (its items are prompt-major: the first of each run of ``choices``), as OpenAI and
+    vLLM count them; every choice's completion tokens. The ledger keeps each item's own counts."""
+    prompt = sum(int(r.output.get("prompt_tokens", 0)) for r in results[::choices])
     completion = sum(int(r.output.get("completion_tokens", 0)) for r in results)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def completion_response(request_id: str, model: str, results: tuple[ItemResult, ...],
-                        created: int | None = None) -> dict[str, Any]:
+                        created: int | None = None, choices: int = 1) -> dict[str, Any]:
     created = int(time.time()) if created is None else created
     return {"id": f"cmpl-{request_id}", "object": "text_completion", "created": created, "model": model,
             "choices": [{"index": i, "text": r.output.get("prompt", "") + r.output["text"],
                          "logprobs": completion_logprobs(r.output), "finish_reason": r.output["finish_reason"]}
                         for i, r in enumerate(results)],
-            "usage": usage(results)}
+            "usage": usage(results, choices)}
 
 
 def chat_response(request_id: str, model: str, results: tuple[ItemResult, ...],
-                  created: int | None = None) -> dict[str, Any]:
+                  created: int | None = None, choices: int = 1) -> dict[str, Any]:
     created = int(time.time()) if created is None else created
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
             "model": model, "choices": [{"index": i, "logprobs": chat_logprobs(r.output),
                                          "finish_reason": r.output["finish_reason"],
                                          "message": {"role": "assistant", "content": r.output["text"]}}
                                         for i, r in enumerate(results)],
-            "usage": usage(results)}
+            "usage": usage(results, choices)}
 
 
 def completion_logprobs(output: dict[str, Any]) -> dict[str, Any] | None:

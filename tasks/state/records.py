@@ -76,6 +76,7 @@ class Shape:
     single: bool = False  # native: one "input" (answered with "output") rather than "inputs"
     encoding: str = "float"  # embeddings: float or base64
     stream: bool = False
+    choices: int = 1  # completions and chat: choices of each prompt (n), so usage counts each prompt once
 
 
 @dataclass(frozen=True)
@@ -149,7 +150,8 @@ class Record:
                    shape=Shape(route=_field(shape, "route", (str,), "infer"),
                                single=_field(shape, "single", (bool,), False),
                                encoding=_field(shape, "encoding", (str,), "float"),
-                               stream=_field(shape, "stream", (bool,), False)),
+                               stream=_field(shape, "stream", (bool,), False),
+                               choices=_field(shape, "choices", (int,), 1)),
                    outcome=None if outcome is None else Outcome.checked(outcome),
                    published=_field(d, "published", (bool, type(None)), None),
                    key_hash=_field(d, "key_hash", (str, type(None)), None))
