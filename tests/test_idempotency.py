@@ -215,6 +215,27 @@ def test_streams_replay_finished_409_while_running_and_abandoned_ones_run_again(
     assert "".join(c.choices[0].text for c in fresh) == text  # the same prompt, greedy: the same text
 
 
+def test_a_replayed_stream_of_several_choices_gives_each_its_whole_text(keyed: Stack, keys: dict[str, str]) -> None:
+    client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=keys["team-a"], max_retries=0, timeout=60)
+    before = keyed.items_done()
+    args: dict[str, Any] = {"model": LM, "prompt": "two tales", "max_tokens": 12, "seed": 4, "n": 2, "stream": True,
+                            "stream_options": {"include_usage": True},
+                            "extra_headers": {"Idempotency-Key": uuid.uuid4().hex}}
+
+    def texts(chunks: list[Any]) -> dict[int, str]:
+        out: dict[int, str] = {}
+        for c in chunks:
+            for choice in c.choices:
+                out[choice.index] = out.get(choice.index, "") + choice.text
+        return out
+
+    first = list(client.completions.create(**args))
+    replay = list(client.completions.create(**args))
+    assert texts(replay) == texts(first) and len(texts(first)) == 2 and all(texts(first).values())
+    assert replay[-1].usage == first[-1].usage and first[-1].usage is not None
+    assert ran(keyed, before) == 2  # the two choices ran once
+
+
 def test_get_request_for_its_tenant_only(keyed: Stack, keys: dict[str, str]) -> None:
     a, b = keys["team-a"], keys["team-b"]
     rid = f"get-{uuid.uuid4().hex[:8]}"

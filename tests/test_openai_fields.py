@@ -152,20 +152,77 @@ def test_n_choices_are_items_of_one_call_reproducible_with_a_seed(client: openai
     assert batch.usage.prompt_tokens == first.usage.prompt_tokens + alone.usage.prompt_tokens  # each prompt once
 
 
-def test_n_out_of_range_or_streamed_is_a_400(lm_stack: Stack) -> None:
+def test_n_out_of_range_is_a_400(lm_stack: Stack) -> None:
     url = lm_stack.url + "/v1/chat/completions"
     base: dict[str, Any] = {"model": LM, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
     with requests.Session() as http:
         for body, needle in (({**base, "n": 0}, "'n' must be an integer from 1 to 16"),
                              ({**base, "n": 17}, "'n' must be an integer from 1 to 16"),
-                             ({**base, "n": "2"}, "'n' must be an integer"),
-                             ({**base, "n": 2, "stream": True}, "cannot be streamed")):
+                             ({**base, "n": "2"}, "'n' must be an integer")):
             r = http.post(url, json=body, timeout=30)
             assert r.status_code == 400, r.text
             assert needle in r.json()["error"]["message"], r.json()
         r = http.post(lm_stack.url + "/v1/completions", timeout=30,
                       json={"model": LM, "prompt": ["a"] * 60, "n": 2, "max_tokens": 1})
         assert r.status_code == 400 and "prompts times 'n'" in r.json()["error"]["message"], r.text
+
+
+def joined(chunks: list[Any], chat: bool) -> dict[int, str]:
+    """Each choice's text, its chunks joined by their ``index`` (as a client joins a stream of several choices)."""
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c.choices:
+            piece = (choice.delta.content or "") if chat else choice.text
+            texts[choice.index] = texts.get(choice.index, "") + piece
+    return texts
+
+
+def test_n_choices_stream_each_under_its_index_as_without_stream(client: openai.OpenAI) -> None:
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "tell a story"}]
+    whole = client.chat.completions.create(model=LM, messages=messages, max_tokens=10, seed=5, n=3)
+    chunks = list(client.chat.completions.create(model=LM, messages=messages, max_tokens=10, seed=5, n=3,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert joined(chunks, chat=True) == {c.index: c.message.content for c in whole.choices}
+    roles = [ch.index for c in chunks for ch in c.choices if ch.delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]  # each choice opens with its role
+    finishes = {ch.index: ch.finish_reason for c in chunks for ch in c.choices if ch.finish_reason}
+    assert finishes == {c.index: c.finish_reason for c in whole.choices}
+    assert chunks[-1].choices == [] and chunks[-1].usage == whole.usage  # each prompt counted once
+    assert all(c.usage is None for c in chunks[:-1])
+    # several prompts, n each: prompt-major indices, the same texts as without stream
+    batch = client.completions.create(model=LM, prompt=["first prompt", "second prompt"], max_tokens=6, n=2, seed=9)
+    streamed = list(client.completions.create(model=LM, prompt=["first prompt", "second prompt"], max_tokens=6,
+                                              n=2, seed=9, stream=True, stream_options={"include_usage": True}))
+    assert joined(streamed, chat=False) == {c.index: c.text for c in batch.choices}
+    assert streamed[-1].usage == batch.usage
+
+
+def test_logprobs_and_echo_stream_whole_in_each_choices_last_chunk(client: openai.OpenAI) -> None:
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
+    whole = client.chat.completions.create(model=LM, messages=messages, max_tokens=8, seed=3, n=2, logprobs=True,
+                                           top_logprobs=2)
+    chunks = list(client.chat.completions.create(model=LM, messages=messages, max_tokens=8, seed=3, n=2,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    for choice in whole.choices:
+        mine = [ch for c in chunks for ch in c.choices if ch.index == choice.index]
+        with_logprobs = [ch for ch in mine if ch.logprobs is not None]
+        assert len(with_logprobs) == 1 and with_logprobs[0].finish_reason is not None  # the last chunk
+        last, expected = with_logprobs[0].logprobs, choice.logprobs
+        assert last is not None and expected is not None
+        assert last.model_dump() == expected.model_dump()  # (the chunk's logprobs are a class of their own)
+        assert "".join(ch.delta.content or "" for ch in mine) == choice.message.content
+    # completions: echo puts the prompt first, as without stream; logprobs cover prompt and completion
+    kwargs: dict[str, Any] = {"model": LM, "prompt": "the cat sat", "max_tokens": 6, "temperature": 0,
+                              "echo": True, "logprobs": 1}
+    plain = client.completions.create(**kwargs)
+    streamed = list(client.completions.create(**kwargs, stream=True))
+    assert joined(streamed, chat=False) == {0: plain.choices[0].text}
+    assert streamed[0].choices[0].text == "the cat sat"
+    assert plain.choices[0].logprobs is not None
+    assert [ch.logprobs.model_dump() for c in streamed for ch in c.choices if ch.logprobs] == [
+        plain.choices[0].logprobs.model_dump()]
+    scored = list(client.completions.create(**{**kwargs, "max_tokens": 0}, stream=True))  # scoring, streamed
+    assert joined(scored, chat=False) == {0: "the cat sat"}
 
 
 def test_completion_logprobs_and_echo_in_openais_shape(client: openai.OpenAI) -> None:
@@ -221,11 +278,9 @@ def test_logprobs_and_echo_out_of_range_are_a_400(lm_stack: Stack) -> None:
         ("/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}, "from 0 to 20"),
         ("/v1/chat/completions", {**chat, "logprobs": 1}, "must be true or false"),
         ("/v1/chat/completions", {**chat, "echo": True}, "/v1/completions parameter"),
-        ("/v1/chat/completions", {**chat, "logprobs": True, "stream": True}, "cannot be streamed"),
         ("/v1/completions", {**completion, "logprobs": 6}, "from 0 to 5"),
         ("/v1/completions", {**completion, "echo": "yes"}, "'echo' must be true or false"),
         ("/v1/completions", {**completion, "max_tokens": 0}, "0 only with 'echo'"),
-        ("/v1/completions", {**completion, "echo": True, "stream": True}, "cannot be streamed"),
     ]
     with requests.Session() as http:
         for path, body, needle in cases:

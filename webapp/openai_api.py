@@ -17,8 +17,8 @@ from flask import Blueprint, Response, g, jsonify, stream_with_context
 
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
-from tasks.gateway.calls import Answer, Call
-from tasks.schema import Priority
+from tasks.gateway.calls import Answer, Call, Delta, Done
+from tasks.schema import ItemResult, Priority
 from tasks.state.records import Shape
 from webapp import answers, tenancy
 from webapp.body import read_json
@@ -75,11 +75,12 @@ def _check_model(call: Call, endpoint: str) -> None:
 
 
 def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Response:
-    """Server-sent events in OpenAI's chunk format. Refusals (429, 400...) happen before the stream starts, and
+    """Server-sent events in OpenAI's chunk format, each chunk naming its choice's ``index`` (prompt-major, as
+    OpenAI's: several prompts, ``n`` choices each). Refusals (429, 400...) happen before the stream starts, and
     so does any error before the worker's first token (a prompt too long for the model's context: 400
     context_length_exceeded, counted by the worker with the model's own tokenizer; a deadline passed in the
-    queue: 504): the response starts with the first event. An idempotent retry of a finished stream gets its
-    whole text in one chunk."""
+    queue: 504): the response starts with the first event. An idempotent retry of a finished stream gets each
+    choice's whole text in one chunk."""
     _check_model(call, endpoint)
     events = services().gateway.stream(call, shape=shape, idempotency=g.get("idempotency"))
     if events.replayed:
@@ -92,31 +93,37 @@ def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Respo
     except BaseException:
         events.close()
         raise
-    if first is not None and first[0] == "error":
+    if isinstance(first, BatchingError):
         events.close()
-        raise first[1]
+        raise first
 
     def generate() -> Iterator[str]:
-        sent = ""
+        sent: dict[int, str] = {}
+        done: dict[int, ItemResult] = {}
         try:
-            if chat:
-                yield _data(chunk(call, chat, {"role": "assistant", "content": ""}, None, streaming))
-            for kind, value in itertools.chain([first] if first is not None else [], stream):
-                if kind == "delta":
-                    sent += value
-                    yield _data(chunk(call, chat, value, None, streaming))
-                elif kind == "done":
-                    text = value.output["text"]
-                    rest = text[len(sent):] if text.startswith(sent) else ""
-                    yield _data(chunk(call, chat, rest, value.output["finish_reason"], streaming))
-                    if streaming.include_usage:
-                        yield _data(usage_chunk(call, chat, value))
+            for index, prompt in enumerate(call.inputs):  # each choice opens with its role, or the prompt it echoes
+                if chat:
+                    yield _data(chunk(call, chat, {"role": "assistant", "content": ""}, None, streaming, index))
+                elif call.params.get("echo"):
+                    yield _data(chunk(call, chat, prompt, None, streaming, index))
+            for event in itertools.chain([first] if first is not None else [], stream):
+                if isinstance(event, Delta):
+                    sent[event.index] = sent.get(event.index, "") + event.text
+                    yield _data(chunk(call, chat, event.text, None, streaming, event.index))
+                elif isinstance(event, Done):
+                    done[event.index] = event.result
+                    text, already = event.result.output["text"], sent.get(event.index, "")
+                    rest = text[len(already):] if text.startswith(already) else ""
+                    yield _data(chunk(call, chat, rest, event.result.output["finish_reason"], streaming, event.index,
+                                      event.result.output))
                 else:
-                    g.error_type = value.type
-                    yield _data(OPENAI.body(value.status, value.type, value.message, g.request_id))
+                    g.error_type = event.type
+                    yield _data(OPENAI.body(event.status, event.type, event.message, g.request_id))
+            if streaming.include_usage and len(done) == len(call.inputs):
+                yield _data(usage_chunk(call, chat, tuple(done[i] for i in sorted(done)), shape.choices))
             yield "data: [DONE]\n\n"
         finally:
-            events.close()  # the client went away mid-stream: cancel the generation in the worker
+            events.close()  # the client went away mid-stream: cancel the generations in the worker
 
     return Response(stream_with_context(generate()), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

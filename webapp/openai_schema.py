@@ -1,11 +1,14 @@
 """OpenAI request parsing and response shapes, without I/O (the routes are in :mod:`webapp.openai_api`).
 
 Only what this service can honour is accepted; anything else is a clear 400 rather than silently ignored
-(token-id prompts; ``n`` > 1, logprobs or ``echo`` on a stream).
+(token-id prompts).
 
 Log-probabilities come from the worker (``logprobs`` entries in each item's output: token, logprob, the
 likeliest tokens; with ``echo`` the prompt's too) and are only shaped here: OpenAI's legacy object on
 completions (``tokens``, ``token_logprobs``, ``top_logprobs``, ``text_offset``), its ``content`` list on chat.
+The worker computes them in one pass once a row has finished, so on a stream a choice's whole list comes in its
+last chunk (the one with its ``finish_reason``); clients that join the chunks' lists get the same list as
+without ``stream``.
 
 ``n`` choices of one prompt are ``n`` items of the call, each through the same caps, fairness and token budget
 as any other item; with a ``seed``, choice ``j`` samples with ``seed + j`` (see
@@ -114,8 +117,6 @@ def choices(body: dict[str, Any]) -> int:
     n = json_integer(n)
     if n is None or not 1 <= n <= MAX_CHOICES:
         raise InvalidInput(f"'n' must be an integer from 1 to {MAX_CHOICES}")
-    if n > 1 and body.get("stream"):
-        raise InvalidInput("'n' > 1 cannot be streamed here; ask without 'stream' for several choices")
     return n
 
 
@@ -123,10 +124,7 @@ def scoring_params(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
     """What the body asks of log-probabilities, as worker parameters: ``logprobs`` (how many likeliest tokens
     at each position) and, on completions, ``echo``. Empty when it asks for none: such a call's parameters
     stay as they were."""
-    out = _chat_scoring(body) if chat else _completion_scoring(body)
-    if out and body.get("stream"):
-        raise InvalidInput("'logprobs' and 'echo' cannot be streamed here; ask without 'stream'")
-    return out
+    return _chat_scoring(body) if chat else _completion_scoring(body)
 
 
 def _chat_scoring(body: dict[str, Any]) -> dict[str, Any]:
@@ -270,23 +268,27 @@ def chat_logprobs(output: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def chunk(call: Call, chat: bool, text: Any, finish_reason: str | None,
-          streaming: Streaming | None = None) -> dict[str, Any]:
-    """One streamed chunk; for chat, ``text`` may be a whole delta object (the opening role chunk). With
-    ``include_usage`` each chunk carries ``usage: null``, as OpenAI's do."""
+          streaming: Streaming | None = None, index: int = 0, output: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One streamed chunk of choice ``index``; for chat, ``text`` may be a whole delta object (the opening role
+    chunk). ``output``: the choice's finished output, whose log-probabilities (if it asked for them) go in this,
+    its last chunk. With ``include_usage`` each chunk carries ``usage: null``, as OpenAI's do."""
     if chat:
         delta = text if isinstance(text, dict) else ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        logprobs = None if output is None else chat_logprobs(output)
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        logprobs = None if output is None else completion_logprobs(output)
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     out = _chunk_head(call, chat) | {"choices": [choice]}
     if streaming is not None and streaming.include_usage:
         out["usage"] = None
     return out
 
 
-def usage_chunk(call: Call, chat: bool, result: ItemResult) -> dict[str, Any]:
-    """The last chunk before ``[DONE]`` of a stream that asked for ``include_usage``: no choices, the counts."""
-    return _chunk_head(call, chat) | {"choices": [], "usage": usage((result,))}
+def usage_chunk(call: Call, chat: bool, results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, Any]:
+    """The last chunk before ``[DONE]`` of a stream that asked for ``include_usage``: no choices, the counts
+    (each prompt's once, whatever its ``choices``: :func:`usage`)."""
+    return _chunk_head(call, chat) | {"choices": [], "usage": usage(results, choices)}
 
 
 def _chunk_head(call: Call, chat: bool) -> dict[str, Any]:

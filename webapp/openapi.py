@@ -134,13 +134,11 @@ def _generation(settings: Settings, *, least_tokens: int) -> Schema:
         "service_tier": _nullable(STRING), "priority": _nullable(STRING)}
 
 
-def _generation_rules(settings: Settings, streamed_only_without: Schema) -> list[Schema]:
-    """What the routes check across fields: stream_options only with a stream; a stream has one choice and no
-    scoring (``streamed_only_without``); interactive calls keep the shorter deadline."""
-    one_choice = _nullable({"type": "integer", "maximum": 1})
+def _generation_rules(settings: Settings) -> list[Schema]:
+    """What the routes check across fields: stream_options only with a stream; interactive calls keep the
+    shorter deadline."""
     return [
         _when({"not": _is("stream", True)}, {"properties": {"stream_options": {"type": "null"}}}),
-        _when(_is("stream", True), {"allOf": [{"properties": {"n": one_choice}}, streamed_only_without]}),
         interactive_deadline(settings),
     ]
 
@@ -161,7 +159,6 @@ def _openai_paths(settings: Settings) -> Schema:
     most = settings.admission.max_inputs_per_call
     completion = _object({"id": STRING, "object": STRING, "created": INTEGER, "model": STRING,
                           "choices": {"type": "array"}, "usage": USAGE}, ("id", "object", "choices"))
-    absent_or_false = _nullable({"const": False})
     # prompts times n is at most the inputs of one call: with several choices the document promises no more than
     # the prompts that fit 16 choices (a rule per n is exact, but more than a few branches stall generators)
     prompts_times_n = _when({"properties": {"n": {"type": "integer", "minimum": 2}}, "required": ["n"]},
@@ -173,7 +170,7 @@ def _openai_paths(settings: Settings) -> Schema:
                  "echo": _nullable(BOOLEAN)}, ("model", "prompt")),
         _when({"not": _is("echo", True)}, {"properties": {
             "max_tokens": _nullable({"minimum": 1}), "max_completion_tokens": _nullable({"minimum": 1})}}),
-        *_generation_rules(settings, {"properties": {"logprobs": absent_or_false, "echo": absent_or_false}}),
+        *_generation_rules(settings),
         prompts_times_n]}
     message = _object({"role": {"enum": ["system", "user", "assistant", "developer"]}, "content": STRING},
                       ("role", "content"))
@@ -184,7 +181,7 @@ def _openai_paths(settings: Settings) -> Schema:
                  "messages": {"type": "array", "minItems": 1, "items": message}}, ("model", "messages")),
         _when({"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
               _is("logprobs", True)),
-        *_generation_rules(settings, {"properties": {"logprobs": absent_or_false}})]}
+        *_generation_rules(settings)]}
     embeddings = {"allOf": [_object({
         "model": _model(settings), "input": _strings(most), "encoding_format": _nullable({"enum": ["float", "base64"]}),
         "timeout_ms": _nullable({"type": "number", "minimum": 1, "maximum": timeout_limit_ms(settings)}),

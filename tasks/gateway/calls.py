@@ -49,16 +49,35 @@ class Lookup:
     error: BatchingError | None = None
 
 
+@dataclass(frozen=True)
+class Delta:
+    """Streamed text of one item of a call (``index``: its position in the call's inputs)."""
+
+    index: int
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    """One item of a streamed call finished: its whole result (the text streamed so far is a prefix of it)."""
+
+    index: int
+    result: ItemResult
+
+
+Event = Delta | Done | BatchingError  # a streamed call's events; an error ends the stream
+
+
 class Events:
     """A streamed call's events (see :meth:`tasks.gateway.gateway.Gateway.stream`): iterate them; closing early
     cancels the generation. ``request_id`` is the call's (the first call's, for a replayed idempotent retry)."""
 
-    def __init__(self, request_id: str, events: Generator[tuple[str, Any], None, None], replayed: bool = False) -> None:
+    def __init__(self, request_id: str, events: Generator[Event, None, None], replayed: bool = False) -> None:
         self.request_id = request_id
         self.replayed = replayed
         self._events = events
 
-    def __iter__(self) -> Iterator[tuple[str, Any]]:
+    def __iter__(self) -> Iterator[Event]:
         return self._events
 
     def close(self) -> None:

@@ -20,7 +20,7 @@ import redis
 
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
-from tasks.errors import BatchingError, IdempotencyConflict, InvalidInput, QueueFull, Unavailable
+from tasks.errors import BatchingError, IdempotencyConflict, QueueFull, Unavailable
 from tasks.gateway import readiness
 from tasks.gateway.calls import Answer, Call, Events, Lookup
 from tasks.gateway.gate import NO_GATE, Gate, Turn
@@ -122,19 +122,17 @@ class Gateway:
         return self.waiting.answer(call, entered)
 
     def stream(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Events:
-        """Admit and publish a one-input call now (so refusals raise here), then return its events:
-        ("delta", text) as the worker streams, then ("done", ItemResult) or ("error", BatchingError).
-        Closing the iterator early (the client went away) cancels the generation in the worker, and forgets the
-        call (a retry with its idempotency key runs it again).
+        """Admit and publish a call now (so refusals raise here), then return its events (:class:`Event`): each
+        item's text as the worker streams it (a Delta), its result as it finishes (a Done), or an error that
+        ends the stream. Closing the iterator early (the client went away) cancels the generations in the
+        worker, and forgets the call (a retry with its idempotency key runs it again).
 
-        An idempotent retry of a finished stream gets the first call's result as one ("done", ItemResult); of a
-        stream still running, IdempotencyInProgress (409): its text went to the first caller."""
-        if len(call.inputs) != 1:
-            raise InvalidInput("streaming takes exactly one prompt")
+        An idempotent retry of a finished stream gets the first call's results, each as one Done; of a stream
+        still running, IdempotencyInProgress (409): its text went to the first caller."""
         call = replace(call, params={**call.params, "stream": True})
         entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
         if isinstance(entered, Answer):
-            return Events(entered.request_id, replayed(entered.results[0]), replayed=True)
+            return Events(entered.request_id, replayed(entered.results), replayed=True)
         return Events(call.request_id, self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered))
 
     def lookup(self, tenant: str, request_id: str) -> Lookup | None:

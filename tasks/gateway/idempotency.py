@@ -6,12 +6,11 @@ import logging
 import time
 from collections.abc import Generator
 from functools import partial
-from typing import Any
 
 import redis
 
 from tasks.errors import BatchingError, DeadlineExceeded, IdempotencyConflict, IdempotencyInProgress
-from tasks.gateway.calls import Answer, Call, Lookup
+from tasks.gateway.calls import Answer, Call, Done, Event, Lookup
 from tasks.gateway.links import redis_call
 from tasks.policy.refusal import error_of
 from tasks.schema import ItemResult
@@ -32,9 +31,10 @@ def replayed_error(record: Record, outcome: Outcome) -> BatchingError:
     return error
 
 
-def replayed(result: ItemResult) -> Generator[tuple[str, Any], None, None]:
-    """A finished stream's events, for an idempotent retry: its whole result at once."""
-    yield "done", result
+def replayed(results: tuple[ItemResult, ...]) -> Generator[Event, None, None]:
+    """A finished stream's events, for an idempotent retry: each item's whole result at once."""
+    for index, result in enumerate(results):
+        yield Done(index, result)
 
 
 class Replays:

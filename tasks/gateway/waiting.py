@@ -8,12 +8,11 @@ import logging
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import redis
 
 from tasks.errors import BatchingError, DeadlineExceeded
-from tasks.gateway.calls import Answer, Call
+from tasks.gateway.calls import Answer, Call, Delta, Done, Event
 from tasks.gateway.idempotency import Replays
 from tasks.gateway.links import redis_refusal
 from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
@@ -117,33 +116,42 @@ class Waiting:
         self._settle(entered, None, total_ms, results)
         return Answer(results=results, accepted_at=entered.accepted_at, request_id=call.request_id, total_ms=total_ms)
 
-    def events(self, ticket: Ticket, entered: Entered) -> Generator[tuple[str, Any], None, None]:
-        """A streamed call's events: ("delta", text), then ("done", ItemResult) or ("error", BatchingError).
-        Closed early (the client went away), the call is forgotten and its generation cancelled."""
-        item_id, finished, settled = entered.ids[0], False, False
+    def events(self, ticket: Ticket, entered: Entered) -> Generator[Event, None, None]:
+        """A streamed call's events: each item's Delta as the worker streams it and its Done as it finishes; an
+        error (an item's own, or the deadline passing first) ends the stream, the other items cancelled. The
+        outcome is recorded once every item is done. Closed early (the client went away), the call is
+        forgotten and its unfinished generations cancelled."""
+        index = {item_id: i for i, item_id in enumerate(entered.ids)}
+        results: dict[str, ItemResult] = {}
+        settled = False
         try:
-            for kind, value in self.listener.stream(item_id, entered.deadline, self._reader(ticket),
-                                                    waiter=entered.waiter):
+            for kind, item_id, value in self.listener.stream(entered.ids, entered.deadline, self._reader(ticket),
+                                                             waiter=entered.waiter):
                 if kind == "delta":
-                    yield kind, value
-                elif kind == "done":
-                    finished = True
-                    error = error_of(value) if value.error else None
-                    settled = self._settle(entered, error, results=(value,))
-                    yield ("error", error) if error else ("done", value)
+                    yield Delta(index[item_id], value)
+                elif kind == "done" and not value.error:
+                    results[item_id] = value
+                    if len(results) == len(entered.ids):
+                        settled = self._settle(entered, None, results=tuple(results[i] for i in entered.ids))
+                    yield Done(index[item_id], value)
                 else:
-                    error = DeadlineExceeded("no complete output before the deadline")
-                    settled = self._settle(entered, error)
-                    yield "error", error
+                    error = error_of(value) if kind == "done" else DeadlineExceeded(
+                        "no complete output before the deadline")
+                    if kind == "done":
+                        results[item_id] = value
+                    settled = self._settle(entered, error, results=tuple(results.values()))
+                    yield error
+                    return
         except redis.RedisError as exc:
             settled = True  # nothing can be recorded now; the record keeps what it had
-            yield "error", redis_refusal(exc, " while streaming", busy_is_overload=False)
+            yield redis_refusal(exc, " while streaming", busy_is_overload=False)
         finally:
             if not settled:  # the client went away mid-stream: forget the call before its generation stops
                 self.replays.forget(entered.record, entered.idempotency)
-            if not finished:
-                self.cancel([item_id])
-                self.release(ticket, [item_id])
+            unfinished = [i for i in entered.ids if i not in results]
+            if unfinished:
+                self.cancel(unfinished)
+                self.release(ticket, unfinished)
 
     def _settle(self, entered: Entered, error: BatchingError | None, total_ms: float = 0.0,
                 results: Sequence[ItemResult] = ()) -> bool:

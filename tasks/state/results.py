@@ -103,7 +103,7 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.deltas: deque[str] = deque()  # streamed text not yet handed to the caller
+        self.deltas: deque[tuple[str, str]] = deque()  # streamed (item id, text) not yet handed to the caller
         self.ready = False  # a result was announced: read the keys
 
 
@@ -185,34 +185,43 @@ class ResultListener:
             for item_id in item_ids:
                 self._forget(item_id, waiter)
 
-    def stream(self, item_id: str, deadline: float, read: Read | None = None,
-               waiter: _Waiter | None = None) -> Iterator[tuple[str, Any]]:
-        """Yield ("delta", text) as the worker streams it, then ("done", ItemResult) or ("timeout", None).
-        ``waiter``: the one :meth:`expect` gave before the request was published (so no text is missed)."""
-        waiter = waiter or self.expect([item_id])
+    def stream(self, item_ids: Sequence[str], deadline: float, read: Read | None = None,
+               waiter: _Waiter | None = None) -> Iterator[tuple[str, str, Any]]:
+        """Yield ("delta", item id, text) as the workers stream it and ("done", item id, ItemResult) as each item
+        finishes (after the last of its text), or ("timeout", "", None) once the deadline passes with items
+        unfinished. ``waiter``: the one :meth:`expect` gave before the request was published (so no text is
+        missed). Text of an item that finished is not yielded again: its result holds it."""
+        waiter = waiter or self.expect(item_ids)
+        pending = list(item_ids)
         next_check = time.monotonic() + self.recheck_s
         try:
-            while True:
+            while pending:
                 remaining = deadline - time.monotonic()
                 if remaining > 0 and not waiter.deltas and not waiter.ready:
                     waiter.event.wait(min(remaining, max(0.0, next_check - time.monotonic())))
                 waiter.event.clear()
                 while waiter.deltas:
-                    yield "delta", waiter.deltas.popleft()
+                    item_id, text = waiter.deltas.popleft()
+                    if item_id in pending:
+                        yield "delta", item_id, text
                 if waiter.ready or time.monotonic() >= next_check or remaining <= 0:
                     waiter.ready = False
                     next_check = time.monotonic() + self.recheck_s
-                    found = self.fetch([item_id], read)
-                    if item_id in found:
-                        while waiter.deltas:
-                            yield "delta", waiter.deltas.popleft()
-                        yield "done", found[item_id]
-                        return
-                    if remaining <= 0:
-                        yield "timeout", None
+                    found = self.fetch(pending, read)
+                    if found:
+                        while waiter.deltas:  # the text that came before the result, first
+                            item_id, text = waiter.deltas.popleft()
+                            if item_id in pending:
+                                yield "delta", item_id, text
+                        for item_id in [i for i in pending if i in found]:
+                            pending.remove(item_id)
+                            self._forget(item_id, waiter)
+                            yield "done", item_id, found[item_id]
+                    if pending and remaining <= 0:
+                        yield "timeout", "", None
                         return
         finally:
-            self._forget(item_id, waiter)
+            self.forget(pending, waiter)
 
     def _forget(self, item_id: str, waiter: _Waiter) -> None:
         waiters = self._waiters.get(item_id, [])
@@ -240,7 +249,7 @@ class ResultListener:
     def _deliver(self, pairs: list[list[str]]) -> None:
         for item_id, text in pairs:
             for waiter in self._waiters.get(item_id, ()):
-                waiter.deltas.append(text)
+                waiter.deltas.append((item_id, text))
                 waiter.event.set()
 
     def _on_message(self, raw: bytes) -> None:
