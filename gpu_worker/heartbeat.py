@@ -15,6 +15,7 @@ from celery import Celery, bootsteps
 from celery.worker import state as celery_state
 from kombu import Connection, Queue
 
+from gpu_worker.backends import NO_PREFIX_CACHE, PrefixCache
 from gpu_worker.worker_state import WorkerState
 from tasks.broker.queues import RETRY_POLICY, fleet_exchange
 from tasks.config import Settings
@@ -43,8 +44,10 @@ class WorkerRuntime:
 
     def __init__(self, worker_id: str, queue: str, model: str, max_batch: int, fleet: Fleet,
                  state: WorkerState, settings: Settings, kind: str = "sim", max_context: int = 0,
-                 slots: int = 1, kv_tokens: int = 0, kv_used: Callable[[], int] = lambda: 0) -> None:
+                 slots: int = 1, kv_tokens: int = 0, kv_used: Callable[[], int] = lambda: 0,
+                 prefix_cache: Callable[[], PrefixCache] = lambda: NO_PREFIX_CACHE) -> None:
         self.kind = kind
+        self.prefix_cache = prefix_cache  # the backend's prefix-cache figures (none where it keeps no cache)
         self.slots = slots
         self.kv_tokens = kv_tokens
         self.kv_used = kv_used  # the backend's KV tokens in use now (0 where it keeps no such count)
@@ -96,6 +99,7 @@ class WorkerRuntime:
         now = self.state.clock()
         tokens_per_s, utilisation = self.state.rates(now)
         started = self.state.batch_started_at
+        cache = self.prefix_cache()
         return WorkerInfo(
             id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
             state=DRAINING if self.draining else "busy" if started is not None else "idle",
@@ -104,7 +108,8 @@ class WorkerRuntime:
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
             tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
-            kv_tokens=self.kv_tokens, kv_used=self.kv_used(),
+            kv_tokens=self.kv_tokens, kv_used=self.kv_used(), prefix_queries=cache.queries,
+            prefix_hits=cache.hits, cached_blocks=cache.blocks,
         )
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
 
@@ -184,13 +184,20 @@ class WorkerInfo:
     tokens_per_s: float = 0.0  # over the last minute
     utilisation: float = 0.0  # fraction of the last minute spent running batches
     max_context: int = 0  # tokens per item (prompt + output), 0 when it does not apply
+    # its prefix cache (generating backends that keep one; 0 elsewhere): whole prompt pages looked up on admission
+    # since it started, those found cached (not prefilled again), and the prompt pages it holds or caches now
+    prefix_queries: int = 0
+    prefix_hits: int = 0
+    cached_blocks: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> WorkerInfo:
-        return cls(**json.loads(raw))
+        """A heartbeat; fields a newer worker added are left out, so a batcher reads it during a rolling upgrade."""
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from gpu_worker.backends.sim_lm_engine import (
     Step,
     Timing,
     kv_capacity,
+    page_keys,
     run_static,
     static_groups,
     static_time_ms,
@@ -46,7 +47,7 @@ def drive(engine: Engine, *, limit: int = 1000) -> list[Step]:
     steps: list[Step] = []
     while engine.busy and len(steps) < limit:
         steps.append(engine.step())
-        assert engine.kv.used <= engine.kv.total
+        assert engine.kv.used + len(engine.kv.cached) <= engine.kv.total
     return steps
 
 
@@ -206,6 +207,46 @@ def test_prompts_sharing_whole_pages_hold_and_prefill_them_once() -> None:
     assert a.done and engine.kv.holders and engine.kv.used == 2 + 1  # b still holds the shared pages
     drive(engine)
     assert engine.kv.used == 0 and not engine.kv.holders
+
+
+def test_a_prompts_pages_stay_cached_after_it_ends_and_a_later_prompt_skips_their_prefill() -> None:
+    engine = Engine(Timing(), KVCache(64, 4), max_seqs=8)  # 16 pages
+    system = list(range(100, 112))  # three whole pages: a tenant's system prompt
+    engine.add(make_seq([*system, 1, 2], 2))
+    first = drive(engine)
+    assert first[0].prefill_tokens == 14
+    assert engine.kv.used == 0 and engine.kv.blocks() == 3  # nobody holds them; they stay, by key
+    engine.add(make_seq([*system, 7], 2, index=1))  # the same start, a new question
+    again = drive(engine)
+    assert again[0].prefill_tokens == 1  # only what follows the cached pages
+    assert (engine.kv.queried, engine.kv.hits) == (3 + 3, 3)
+    other = Engine(Timing(), KVCache(64, 4, sharing=False), max_seqs=8)  # without sharing, nothing is kept
+    other.add(make_seq([*system, 1, 2], 2))
+    drive(other)
+    other.add(make_seq([*system, 7], 2, index=1))
+    assert drive(other)[0].prefill_tokens == 13 and other.kv.blocks() == 0
+
+
+def test_cached_pages_are_free_room_given_up_least_recently_used_first() -> None:
+    a, b = list(range(100, 108)), list(range(200, 208))  # two prefixes of two whole pages each
+    big = list(range(300, 316))  # four whole pages: with its one output token it holds 5
+
+    def after_big(pages: int) -> tuple[Engine, int]:
+        """a, then b, then a again (b is now the least recently used), then the big one; then a's prefill."""
+        engine = Engine(Timing(), KVCache(pages * 4, 4), max_seqs=8)
+        for i, prompt in enumerate(([*a, 1], [*b, 1], [*a, 2])):
+            engine.add(make_seq(prompt, 1, index=i))
+            drive(engine)
+        assert engine.kv.free == pages and engine.kv.blocks() == 4  # cached pages are free room
+        engine.add(make_seq(big, 1, index=3))
+        drive(engine)
+        engine.add(make_seq([*a, 5], 1, index=4))
+        return engine, engine.step().prefill_tokens
+
+    roomy, prefill = after_big(7)  # 5 + 4 > 7: two cached pages go, b's
+    assert prefill == 1 and not any(k in roomy.kv.cached for k in page_keys([*b, 1], 4))
+    _, prefill = after_big(6)  # 5 + 4 > 6: three go, b's and then a's first
+    assert prefill == 9
 
 
 def test_admission_waits_for_pages_and_a_retired_sequence_makes_room_at_the_next_step() -> None:

@@ -32,6 +32,19 @@ class Hooks:
     done: Callable[[int, Any], None] = lambda position, output: None
 
 
+@dataclass(frozen=True)
+class PrefixCache:
+    """A generating backend's prefix cache, for its heartbeat: whole prompt pages looked up on admission since it
+    started, those found there (not prefilled again), and the prompt pages it holds or caches now."""
+
+    queries: int = 0
+    hits: int = 0
+    blocks: int = 0
+
+
+NO_PREFIX_CACHE = PrefixCache()
+
+
 class Backend(Protocol):
     name: str  # the model name this backend serves; requests are routed by it
     kind: str  # "sim", "causal" or "embed": which API endpoints it can answer

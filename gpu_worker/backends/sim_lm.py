@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from gpu_worker.backends import Hooks, ItemError
+from gpu_worker.backends import Hooks, ItemError, PrefixCache
 from gpu_worker.backends.generation import Entry, Row, completion, with_logprobs
 from gpu_worker.backends.sim_lm_engine import (
     DEFAULT_KV_TOKENS,
@@ -90,6 +90,11 @@ class SimLMBackend:
         """Tokens' worth of pages held now."""
         with self._cond:
             return self.cache.used * self.cache.page_size
+
+    def prefix_cache(self) -> PrefixCache:
+        """Its prefix cache's figures since it started (continuous mode: static batches keep no cache)."""
+        with self._cond:
+            return PrefixCache(self.cache.queried, self.cache.hits, self.cache.blocks())
 
     def running(self) -> int:
         """Sequences in the decode batch now, and waiting for it (continuous mode)."""

@@ -17,7 +17,9 @@ the text are in :mod:`gpu_worker.backends.sim_lm_text`):
   step that prefills it);
 - memory: a paged KV cache of ``kv_tokens`` (pages of ``page_size`` tokens). A sequence holds
   ceil((prompt + generated) / page_size) pages; with prefix sharing, the whole prompt pages that several
-  sequences have in common (the same tokens from the start) are held, and prefilled, once.
+  sequences have in common (the same tokens from the start) are held, and prefilled, once; and, as vLLM's
+  automatic prefix caching, they stay cached once their last holder ends, until the room is needed (least
+  recently used first), so a later prompt with the same start is not prefilled again (continuous mode).
 
 Two ways to run a batch, as real servers do:
 
@@ -53,7 +55,7 @@ gpu_memory_utilization) less 13.5 GB of weights leaves 59.4 GiB: 121,744 tokens 
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -158,7 +160,10 @@ def page_keys(prompt_ids: Sequence[int], page_size: int) -> list[int]:
 
 # -- the paged KV cache --------------------------------------------------------------------------------------
 class KVCache:
-    """Pages held by sequences: shared prompt pages once however many hold them, plus their own pages."""
+    """Pages held by sequences: shared prompt pages once however many hold them, plus their own pages; and, as
+    vLLM's automatic prefix caching keeps them, the shared prompt pages nobody holds any more, by key, evicted
+    least recently used when room is needed. A cached page counts as free (it is given up on demand), and a
+    later prompt starting with it is not prefilled there again."""
 
     def __init__(self, tokens: int, page_size: int, sharing: bool = True) -> None:
         if page_size < 1 or tokens < page_size:
@@ -168,6 +173,9 @@ class KVCache:
         self.sharing = sharing
         self.holders: dict[int, int] = {}  # shared page key -> sequences holding it
         self.private = 0
+        self.cached: OrderedDict[int, None] = OrderedDict()  # pages no sequence holds, least recently used first
+        self.queried = 0  # whole prompt pages looked up on admission (counting from the start)
+        self.hits = 0  # of those, found here: not prefilled
 
     @property
     def used(self) -> int:
@@ -189,13 +197,21 @@ class KVCache:
         return min(len(seq.page_keys), self.pages(tokens)) if self.sharing else 0
 
     def resident(self, seq: Seq) -> int:
-        """Whole prompt pages of ``seq`` that other sequences hold already (no prefill, no new page)."""
+        """Whole prompt pages of ``seq``, from the start, that are here already (held by other sequences, or
+        cached from earlier ones): no prefill for them."""
         n = 0
         for key in seq.page_keys[:self.shared_pages(seq, seq.length)]:
-            if key not in self.holders:
+            if key not in self.holders and key not in self.cached:
                 break
             n += 1
         return n
+
+    def lookup(self, seq: Seq) -> int:
+        """:meth:`resident`, counted as a look-up of the prefix cache (on admission)."""
+        found = self.resident(seq)
+        self.queried += self.shared_pages(seq, seq.length)
+        self.hits += found
+        return found
 
     def cost(self, seq: Seq, tokens: int) -> int:
         """New pages ``seq`` needs to hold ``tokens`` tokens."""
@@ -204,22 +220,31 @@ class KVCache:
         return new_shared + self.pages(tokens) - shared - seq.private
 
     def hold(self, seq: Seq, tokens: int) -> None:
-        """Let ``seq`` hold ``tokens`` tokens (the caller checked the cost fits)."""
+        """Let ``seq`` hold ``tokens`` tokens (the caller checked the cost fits): cached pages it starts with are
+        taken back, and the least recently used others evicted for the room it takes."""
         shared = self.shared_pages(seq, tokens)
         for key in seq.page_keys[len(seq.shared):shared]:
+            self.cached.pop(key, None)
             self.holders[key] = self.holders.get(key, 0) + 1
             seq.shared.append(key)
         private = self.pages(tokens) - shared
         self.private += private - seq.private
         seq.private = private
+        while self.cached and self.used + len(self.cached) > self.total:
+            self.cached.popitem(last=False)
 
     def release(self, seq: Seq) -> None:
         for key in seq.shared:
             self.holders[key] -= 1
             if not self.holders[key]:
                 del self.holders[key]
+                self.cached[key] = None  # the most recently used of the cached pages
         self.private -= seq.private
         seq.shared, seq.private = [], 0
+
+    def blocks(self) -> int:
+        """Prompt pages here now, held or cached (what a later prompt may find)."""
+        return len(self.holders) + len(self.cached)
 
 
 # -- continuous batching ------------------------------------------------------------------------------------
@@ -286,7 +311,7 @@ class Engine:
         while (not preempted and self.waiting and len(self.running) < self.max_seqs
                and self.kv.cost(self.waiting[0], self.waiting[0].length + 1) <= self.kv.free):
             seq = self.waiting.popleft()
-            prefill += max(1, seq.length - self.kv.resident(seq) * self.kv.page_size)  # cached pages: no prefill
+            prefill += max(1, seq.length - self.kv.lookup(seq) * self.kv.page_size)  # pages here: no prefill
             self.kv.hold(seq, seq.length + 1)
             self.running.append(seq)
             admitted += 1

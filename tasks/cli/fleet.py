@@ -36,18 +36,24 @@ def workers(admin: Admin, as_json: bool) -> None:
         click.echo("no GPU worker has sent a heartbeat (start one with `gpu-worker --gpu 0`)")
         return
     click.echo(f"{'WORKER':<28} {'MODEL':<16} {'STATE':<6} {'QUEUED':>6} {'FREE IN':>9} {'BATCH':>9} "
-               f"{'DONE':>7} {'TOK/S':>8} {'UTIL':>5} {'KV USED':>9} {'SEEN':>6}  QUEUE")
+               f"{'DONE':>7} {'TOK/S':>8} {'UTIL':>5} {'KV USED':>9} {'PREFIX HIT':>10} {'BLOCKS':>7} "
+               f"{'SEEN':>6}  QUEUE")
     for w in rows:
         age = now - w.heartbeat_at
         state = w.state if age <= fleet.stale_after_s else "STALE"
         click.echo(f"{w.id:<28} {w.model:<16} {state:<6} {w.outstanding:>6} {w.free_in_ms:>7.0f}ms "
                    f"{w.batch_ms_estimate:>7.0f}ms {w.completed:>7} {w.tokens_per_s:>8.1f} {w.utilisation:>5.0%} "
-                   f"{_kv(w):>9} {age:>5.1f}s  {w.queue}")
+                   f"{_kv(w):>9} {_hit_rate(w):>10} {w.cached_blocks:>7} {age:>5.1f}s  {w.queue}")
 
 
 def _kv(w: WorkerInfo) -> str:
     """KV cache in use, as a share of the worker's budget ('-' where it advertises none)."""
     return f"{w.kv_used / w.kv_tokens:.0%}" if w.kv_tokens else "-"
+
+
+def _hit_rate(w: WorkerInfo) -> str:
+    """Share of the prompt pages looked up that its prefix cache held ('-' before any look-up)."""
+    return f"{w.prefix_hits / w.prefix_queries:.0%}" if w.prefix_queries else "-"
 
 
 @cli.command()

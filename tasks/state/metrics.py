@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from tasks.config import Settings
+from tasks.schema import WorkerInfo
 from tasks.state.admission import Admission
 from tasks.state.fleet import Fleet
 from tasks.state.keys import Keys
@@ -137,6 +138,7 @@ class SystemCollector(Collector):
         for state, n in states.items():
             by_state.add_metric([state], n)
         yield by_state
+        yield from _prefix_caches([w for w in live if w.prefix_queries or w.cached_blocks])
         done, batches, poison, dropped, tokens = (counters[n] for n in COUNTERS)
         yield CounterMetricFamily("llmb_tokens", "Prompt and generated tokens processed by every worker.",
                                   value=tokens)
@@ -150,6 +152,23 @@ class SystemCollector(Collector):
         yield _histogram("llmb_batch_size", "Items per batch run.", sizes, BATCH_SIZE_BUCKETS)
         yield _histogram("llmb_batch_run_seconds", "Run time of each batch on its device.", runs,
                          RUN_SECONDS_BUCKETS)
+
+
+def _prefix_caches(workers: list[WorkerInfo]) -> Iterator[Metric]:
+    """Each live worker's prefix cache, from its heartbeat: hit rate = hits / queries (both count whole prompt
+    pages since the worker started, so they reset with it, as counters do)."""
+    labels = ["worker", "model"]
+    queries = CounterMetricFamily("llmb_prefix_cache_queries", "Whole prompt pages a worker looked up in its prefix "
+                                  "cache on admission.", labels=labels)
+    hits = CounterMetricFamily("llmb_prefix_cache_hits", "Of those, pages found cached: not prefilled again.",
+                               labels=labels)
+    blocks = GaugeMetricFamily("llmb_prefix_cache_blocks", "Prompt pages a worker holds or caches now.",
+                               labels=labels)
+    for w in workers:
+        queries.add_metric([w.id, w.model], w.prefix_queries)
+        hits.add_metric([w.id, w.model], w.prefix_hits)
+        blocks.add_metric([w.id, w.model], w.cached_blocks)
+    yield from (queries, hits, blocks)
 
 
 def _per_model(rows: list[dict[str, Any]]) -> Iterator[Metric]:
