@@ -108,8 +108,8 @@ class WorkerRuntime:
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
             tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
-            kv_tokens=self.kv_tokens, kv_used=self.kv_used(), prefix_queries=cache.queries,
-            prefix_hits=cache.hits, cached_blocks=cache.blocks,
+            kv_tokens=self.kv_tokens, kv_used=self.kv_used(), prefix_caching=cache.caching,
+            prefix_queries=cache.queries, prefix_hits=cache.hits, cached_blocks=cache.blocks, prefixes=list(cache.keys),
         )
 
 

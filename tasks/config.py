@@ -145,6 +145,10 @@ class Batcher:
         "Times a request is sent again after its worker was lost before running it; then it fails (503).")
     fair_quantum: int = setting(10, "fair_quantum",
         "Items a tenant of weight 1 may put in a batch per round of weighted deficit round robin.")
+    prefix_routing: bool = setting(True, "prefix_routing",
+        "Among the workers able to take a batch, send each item to one whose prefix cache holds its prompt's start (workers that report one: sim-lm), weighed against load; false: the least backlog alone.")
+    prefix_wait_s: float = setting(1.0, "prefix_wait_ms",
+        "Prefix-aware routing: an item whose prompt start a busy worker holds waits up to this long for that worker to take a batch, rather than being prefilled again elsewhere (0: never waits).", ms=True)
 
 
 @dataclass(frozen=True)

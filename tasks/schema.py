@@ -184,11 +184,14 @@ class WorkerInfo:
     tokens_per_s: float = 0.0  # over the last minute
     utilisation: float = 0.0  # fraction of the last minute spent running batches
     max_context: int = 0  # tokens per item (prompt + output), 0 when it does not apply
-    # its prefix cache (generating backends that keep one; 0 elsewhere): whole prompt pages looked up on admission
-    # since it started, those found cached (not prefilled again), and the prompt pages it holds or caches now
+    # its prefix cache (generating backends that keep one; 0 elsewhere): whether it keeps one, whole prompt pages
+    # looked up on admission since it started, those found cached (not prefilled again), and the prompt pages it
+    # holds or caches now
+    prefix_caching: bool = False
     prefix_queries: int = 0
     prefix_hits: int = 0
     cached_blocks: int = 0
+    prefixes: list[str] = field(default_factory=list)  # the prefix keys it holds (tasks.policy.prefixes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -32,6 +32,7 @@ from gpu_worker.backends.sim_lm_engine import (
 )
 from gpu_worker.backends.sim_lm_text import GREEDY, SimTokenizer, Text
 from tasks.config import Settings
+from tasks.policy.prefixes import prefix_keys
 from tests.fakes import FakeClock
 
 GREEDY_PARAMS = {"temperature": 0}
@@ -245,8 +246,29 @@ def test_cached_pages_are_free_room_given_up_least_recently_used_first() -> None
 
     roomy, prefill = after_big(7)  # 5 + 4 > 7: two cached pages go, b's
     assert prefill == 1 and not any(k in roomy.kv.cached for k in page_keys([*b, 1], 4))
-    _, prefill = after_big(6)  # 5 + 4 > 6: three go, b's and then a's first
-    assert prefill == 9
+    _, prefill = after_big(6)  # 5 + 4 > 6: three go, b's and then a's tail (a chain's tail goes before its head)
+    assert prefill == 9 - 4
+
+
+def test_the_cache_says_which_prefix_keys_of_the_prompts_it_admitted_it_holds() -> None:
+    tokenizer = SimTokenizer()
+    system = "Our travel policy, in full. " * 80  # 2,240 characters: four whole chunks of 512
+    engine = Engine(Timing(), KVCache(2048, 16), max_seqs=8, tokenizer=tokenizer)  # 128 pages
+    prompt = system + "May I fly?"
+    seq = Seq(Row(0, tokenizer.encode(prompt), 1, []), Text(prompt, GREEDY), None,
+              prefix=prefix_keys(prompt), input_chars=len(prompt))
+    engine.add(seq)
+    drive(engine)
+    held = engine.kv.prefixes(100)
+    assert held and set(held) <= set(seq.prefix)
+    assert len(held) >= len(seq.prefix) - 1  # each key's pages, one page short: the last may miss
+    assert held == list(seq.prefix[:len(held)])  # a prefix of the chain
+    flood = Engine(Timing(), engine.kv, max_seqs=8, tokenizer=tokenizer)  # the same cache, then filled by others
+    for i in range(3):
+        other = [1000 + i * 100 + j for j in range(1000)]
+        flood.add(Seq(Row(i + 1, other, 1, []), Text("x", GREEDY), None))
+        drive(flood)
+    assert engine.kv.prefixes(100) == []  # evicted: no longer said to be held
 
 
 def test_admission_waits_for_pages_and_a_retired_sequence_makes_room_at_the_next_step() -> None:

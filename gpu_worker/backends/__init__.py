@@ -35,11 +35,14 @@ class Hooks:
 @dataclass(frozen=True)
 class PrefixCache:
     """A generating backend's prefix cache, for its heartbeat: whole prompt pages looked up on admission since it
-    started, those found there (not prefilled again), and the prompt pages it holds or caches now."""
+    started, those found there (not prefilled again), the prompt pages it holds or caches now, and which prompt
+    starts those are (for the batchers' prefix-aware routing)."""
 
+    caching: bool = False  # whether it keeps one at all
     queries: int = 0
     hits: int = 0
     blocks: int = 0
+    keys: tuple[str, ...] = ()  # the prefix keys (tasks.policy.prefixes) whose pages it holds now
 
 
 NO_PREFIX_CACHE = PrefixCache()

@@ -39,8 +39,10 @@ from gpu_worker.backends.sim_lm_engine import (
     static_groups,
 )
 from gpu_worker.backends.sim_lm_text import VOCAB, SimTokenizer, Text, sampling_key, sim_logprobs
+from tasks.policy.prefixes import prefix_keys
 
 log = logging.getLogger("llmb.worker")
+REPORTED_KEYS = 2048  # prefix keys a heartbeat lists at most (the most recently admitted prompts' first)
 
 
 def render_chat(messages: Sequence[Mapping[str, str]]) -> str:
@@ -94,7 +96,8 @@ class SimLMBackend:
     def prefix_cache(self) -> PrefixCache:
         """Its prefix cache's figures since it started (continuous mode: static batches keep no cache)."""
         with self._cond:
-            return PrefixCache(self.cache.queried, self.cache.hits, self.cache.blocks())
+            return PrefixCache(self.mode == "continuous" and self.cache.sharing, self.cache.queried, self.cache.hits,
+                               self.cache.blocks(), tuple(self.cache.prefixes(REPORTED_KEYS)))
 
     def running(self) -> int:
         """Sequences in the decode batch now, and waiting for it (continuous mode)."""
@@ -129,7 +132,7 @@ class SimLMBackend:
                            lambda: os.urandom(16))
         generated = Text(prompt, key)
         seq = Seq(row, generated, generated.eos(self.eos_mean), streaming=index in hooks.streaming,
-                  cancelled=lambda: hooks.cancelled(index))
+                  cancelled=lambda: hooks.cancelled(index), prefix=prefix_keys(text), input_chars=len(text))
         if not self.engine.fits(seq):
             return ItemError("invalid_request", f"the prompt has {len(row.prompt_ids)} tokens and max_tokens is "
                              f"{row.max_tokens}: more than this device's KV cache of {self.kv_tokens}")

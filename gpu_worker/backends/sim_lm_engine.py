@@ -62,6 +62,9 @@ from typing import Any
 
 from gpu_worker.backends.generation import Row, StopText, completion
 from gpu_worker.backends.sim_lm_text import VOCAB, SimTokenizer, Text
+from tasks.policy.prefixes import CHUNK_CHARS
+
+CHAINS_KEPT = 1024  # prompts whose prefix keys the cache remembers, to say which are held (most recent kept)
 
 # -- the published figures the defaults come from (see the module docstring) --------------------------------
 LLAMA2_7B = {"layers": 32, "hidden": 4096, "params": 6_738_415_616, "context": 4096}
@@ -107,6 +110,9 @@ class Seq:
     cancelled: Callable[[], bool] = lambda: False
     sink: Callable[[Event], None] = lambda event: None
     page_keys: list[int] = field(default_factory=list)  # one per whole prompt page, chained (set by the engine)
+    # the batcher's names of its input's start (tasks.policy.prefixes), and the input's length in characters
+    prefix: tuple[str, ...] = ()
+    input_chars: int = 0
     tokens: list[int] = field(default_factory=list)
     shared: list[int] = field(default_factory=list)  # prompt page keys it holds
     private: int = 0  # pages of its own it holds
@@ -176,6 +182,9 @@ class KVCache:
         self.cached: OrderedDict[int, None] = OrderedDict()  # pages no sequence holds, least recently used first
         self.queried = 0  # whole prompt pages looked up on admission (counting from the start)
         self.hits = 0  # of those, found here: not prefilled
+        # prompts admitted lately, by their last prefix key: (their prefix keys, their page keys, the whole pages
+        # that cover each prefix key's text), most recent last
+        self.chains: OrderedDict[str, tuple[tuple[str, ...], list[int], list[int]]] = OrderedDict()
 
     @property
     def used(self) -> int:
@@ -234,7 +243,7 @@ class KVCache:
             self.cached.popitem(last=False)
 
     def release(self, seq: Seq) -> None:
-        for key in seq.shared:
+        for key in reversed(seq.shared):  # its tail the least recently used: evicted before its head, as vLLM does
             self.holders[key] -= 1
             if not self.holders[key]:
                 del self.holders[key]
@@ -245,6 +254,37 @@ class KVCache:
     def blocks(self) -> int:
         """Prompt pages here now, held or cached (what a later prompt may find)."""
         return len(self.holders) + len(self.cached)
+
+    def remember(self, seq: Seq) -> None:
+        """Note which pages cover each of ``seq``'s prefix keys (characters and tokens in proportion, one page
+        short at each key for safety), so :meth:`prefixes` can say which keys are held."""
+        if not seq.prefix or not self.sharing or not seq.input_chars or not seq.page_keys:
+            return
+        tokens_per_char = seq.prompt_len / seq.input_chars
+        per_key = [int((i + 1) * CHUNK_CHARS * tokens_per_char) // self.page_size - 1 for i in range(len(seq.prefix))]
+        last = seq.prefix[-1]
+        self.chains[last] = (seq.prefix, seq.page_keys, per_key)
+        self.chains.move_to_end(last)
+        while len(self.chains) > CHAINS_KEPT:
+            self.chains.popitem(last=False)
+
+    def prefixes(self, limit: int) -> list[str]:
+        """The prefix keys whose pages are all here now (held or cached), most recently admitted first."""
+        out: dict[str, None] = {}
+
+        def here(page: int) -> bool:
+            return page in self.holders or page in self.cached
+
+        for keys, pages, per_key in reversed(self.chains.values()):
+            if not pages or not here(pages[0]):
+                continue
+            for key, needed in zip(keys, per_key):  # (a chain's tail is evicted first: see release)
+                if needed < 1 or needed > len(pages) or not here(pages[needed - 1]):
+                    break
+                out[key] = None
+            if len(out) >= limit:
+                break
+        return list(out)[:limit]
 
 
 # -- continuous batching ------------------------------------------------------------------------------------
@@ -276,6 +316,7 @@ class Engine:
 
     def add(self, seq: Seq) -> None:
         seq.page_keys = page_keys(seq.row.prompt_ids, self.kv.page_size)
+        self.kv.remember(seq)
         self.waiting.append(seq)
 
     @property

@@ -66,7 +66,8 @@ class BatchingStep(bootsteps.ConsumerStep):
                                wait=WaitPolicy(s.batcher.wait_mode, s.batcher.max_wait_s, s.batcher.min_wait_s,
                                                s.batcher.adaptive_max_wait_s),
                                quantum=s.batcher.fair_quantum, offline_wait_s=s.batcher.offline_max_wait_s,
-                               on_dropped=self._on_dropped, wallclock=self.clock)
+                               on_dropped=self._on_dropped, wallclock=self.clock,
+                               prefix_routing=s.batcher.prefix_routing, prefix_wait_s=s.batcher.prefix_wait_s)
         quarantine = Quarantine.from_settings(s, client)
         self.admission = Admission.from_settings(s, client)  # reaps what lost API processes had admitted
         self.quarantine_sync = QuarantineSync(quarantine, self.ledger.ledger)  # the ledger is the durable copy

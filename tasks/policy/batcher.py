@@ -27,7 +27,8 @@ from tasks.policy import tokens
 from tasks.policy.fairness import FairBuffer, Waiting
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.isolation import Plan, avoid, plan
-from tasks.policy.scheduler import Scheduler
+from tasks.policy.prefixes import Option, PrefixIndex, assign, prefix_keys
+from tasks.policy.scheduler import Choice, Scheduler
 from tasks.policy.wait import ArrivalRate, WaitPolicy
 from tasks.schema import Batch, BatchItem, Failure, InferenceRequest, WorkerInfo
 
@@ -76,6 +77,8 @@ class Batcher:
         on_dropped: Callable[[str, list[BatchItem]], None] = lambda model, items: None,
         clock: Callable[[], float] = time.monotonic,
         wallclock: Callable[[], float] = time.time,
+        prefix_routing: bool = True,
+        prefix_wait_s: float = 1.0,
     ) -> None:
         self.policy = policy
         self.max_retries = max_retries
@@ -85,6 +88,9 @@ class Batcher:
         self.clock = clock
         self.wallclock = wallclock
         self.scheduler = Scheduler(max_outstanding, lead_s=lead_s)
+        self.prefixes = PrefixIndex()  # which prompt starts each worker's cache holds (prefix-aware routing)
+        self.prefix_routing = prefix_routing
+        self.prefix_wait_s = prefix_wait_s
         self.wait = wait or WaitPolicy(mode="fixed", fixed_s=policy.max_wait_s)
         self.quantum = quantum
         self.offline_wait_s = offline_wait_s
@@ -180,9 +186,10 @@ class Batcher:
         workers: list[WorkerInfo] | None = None
         while retries or buffer.is_ready(now, self._wait_s(model, buffer, now)):
             if workers is None:
-                workers = self.live_workers()
-                self.scheduler.reconcile(workers, self.clock() - self.wallclock())
-            choice = self.scheduler.choose(workers, model, now, avoid=avoid(retries[0][0]) if retries else ())
+                workers = self._fleet()
+            choices, soonest = self.scheduler.choices(workers, model, now,
+                                                      avoid=avoid(retries[0][0]) if retries else ())
+            choice = choices[0] if choices else Choice(None, soonest)
             worker = choice.worker
             if worker is None:  # every worker is busy enough (or none is alive): keep accumulating
                 self.held[model] = None if choice.retry_in_s is None else now + choice.retry_in_s
@@ -200,17 +207,17 @@ class Batcher:
                 continue
             if self._drop(model, buffer, now + self.scheduler.batch_s(worker)):
                 continue  # items that could not finish in time are gone: is a batch still due?
-            pending = buffer.take(token_limit=choice.kv_room)
-            batch = self._batch(model, pending)
-            if not self._send(batch, worker):
-                buffer.put_back(pending)
+            pending = buffer.take(token_limit=choice.kv_room, later=self._later(model, workers, choices, now))
+            if not pending:  # every ready item waits for the worker holding its prompt's start
+                self.held[model] = now + self._soonest_due(buffer, now)
+                break
+            routes = self._routes(pending, choices, now)
+            failed = [items for target, items in routes if not self._send_items(model, items, target)]
+            sent += len(routes) - len(failed)
+            if failed:
+                buffer.put_back([p for items in failed for p in items])
                 self.held[model] = None
                 break
-            for p in pending:
-                p.item.delivery.resolve()
-            self.stats["batches"] += 1
-            self.stats["dispatched_items"] += len(pending)
-            sent += 1
             now = self.clock()
         if not retries:
             self.retries.pop(model, None)
@@ -219,6 +226,76 @@ class Batcher:
         if not buffer and not retries:
             self.held.pop(model, None)
         return sent
+
+    def _fleet(self) -> list[WorkerInfo]:
+        """The live workers, with what their heartbeats say brought into the scheduler and the prefix index."""
+        workers = self.live_workers()
+        self.scheduler.reconcile(workers, self.clock() - self.wallclock())
+        for w in workers if self.prefix_routing else ():
+            if w.prefix_caching:  # it keeps a prefix cache: route by it
+                self.prefixes.report(w.id, w.prefixes, w.heartbeat_at)
+        return workers
+
+    def _later(self, model: str, workers: list[WorkerInfo],
+               choices: list[Choice], now: float) -> Callable[[Waiting[_Entry]], bool] | None:
+        """Which items to leave for a later batch: those whose prompt start a worker that cannot take a batch now
+        holds, while they have waited less than ``prefix_wait_s`` and their deadline is not near (a hit saves
+        its prefill, and a miss would also copy the start to a second cache). None: routing is off, or fewer than
+        two workers report a prefix cache."""
+        homes = [w.id for w in workers if w.model == model and self.prefixes.knows(w.id)]
+        if not self.prefix_routing or len(homes) < 2 or self.prefix_wait_s <= 0:
+            return None
+        able = {c.worker.id for c in choices if c.worker is not None}
+        wait = self.prefix_wait_s
+
+        def later(w: Waiting[_Entry]) -> bool:
+            if now - w.arrived >= wait or w.deadline - now < 2 * wait:
+                return False
+            home = self.prefixes.home(prefix_keys(w.item.item.input), homes)
+            return home is not None and home not in able
+
+        return later
+
+    def _soonest_due(self, buffer: FairBuffer[_Entry], now: float) -> float:
+        """Seconds until the first item left for its worker stops waiting for it."""
+        return max(0.0, min((w.arrived + self.prefix_wait_s - now for w in buffer), default=0.0))
+
+    def _routes(self, pending: list[Waiting[_Entry]], choices: list[Choice],
+                now: float) -> list[tuple[WorkerInfo, list[Waiting[_Entry]]]]:
+        """Where the items of a batch go: to the scheduler's choice, but for items whose prompt start another
+        worker able to take a batch now holds in its prefix cache (:func:`tasks.policy.prefixes.assign`); a
+        group over that worker's KV room stays with the scheduler's choice."""
+        first = choices[0].worker
+        assert first is not None
+        if len(choices) < 2 or not any(c.worker is not None and self.prefixes.knows(c.worker.id) for c in choices):
+            return [(first, pending)]
+        workers = [c.worker for c in choices if c.worker is not None]
+        options = [Option(w.id, self.scheduler.load(w, now)) for w in workers]
+        where = assign([prefix_keys(p.item.item.input) for p in pending], options, self.prefixes)
+        groups: dict[int, list[Waiting[_Entry]]] = {}
+        for p, i in zip(pending, where):
+            groups.setdefault(i, []).append(p)
+        routes, stay = [], groups.pop(0, [])
+        for i, items in groups.items():
+            room = choices[i].kv_room
+            if room is not None and sum(p.cost for p in items) > room:
+                stay += items
+            else:
+                routes.append((workers[i], items))
+        return [(first, stay), *routes] if stay else routes
+
+    def _send_items(self, model: str, items: list[Waiting[_Entry]], worker: WorkerInfo) -> bool:
+        """Send these buffered items as one batch; resolve them once it is handed on."""
+        batch = self._batch(model, items)
+        if not self._send(batch, worker):
+            return False
+        for p in items:
+            p.item.delivery.resolve()
+        self.stats["batches"] += 1
+        self.stats["dispatched_items"] += len(items)
+        if self.prefixes.knows(worker.id):
+            self.prefixes.sent(worker.id, [prefix_keys(i.input) for i in batch.items], self.wallclock())
+        return True
 
     def _send(self, batch: Batch, worker: WorkerInfo) -> bool:
         try:
@@ -299,6 +376,7 @@ class Batcher:
     def worker_lost(self, worker_id: str) -> None:
         """Forget what the scheduler knew of a lost worker (its batches were taken back first)."""
         self.scheduler.forget_worker(worker_id)
+        self.prefixes.forget(worker_id)
 
     def forget_stale_in_flight(self, older_than_s: float) -> None:
         """Drop in-flight records whose finish was never heard (a lost announcement), to bound memory."""

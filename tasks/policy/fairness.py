@@ -87,13 +87,31 @@ class DeficitRoundRobin(Generic[T]):
     def oldest_arrival(self) -> float | None:
         return min((f.queue[0].arrived for f in self._flows.values()), default=None)
 
-    def take(self, n: int, room: Callable[[Waiting[T]], bool] | None = None) -> list[Waiting[T]]:
+    def take(self, n: int, room: Callable[[Waiting[T]], bool] | None = None,
+             later: Callable[[Waiting[T]], bool] | None = None) -> list[Waiting[T]]:
         """Remove and return up to ``n`` items chosen by weighted DRR; stop early at the first item for which
         ``room`` says there is no room left (the batch is full by size in bytes).
 
         A tenant whose visit is cut short by a full batch stays at the head of the ring with the rest of its
         deficit, so the next batch resumes exactly where this one stopped: fairness holds across batches.
+
+        A tenant whose head item ``later`` says is better sent in another batch (prefix-aware routing: its
+        worker cannot take one now) sits this batch out: not visited, so neither credited nor charged, and
+        first in the ring for the next batch.
         """
+        if later is None:
+            return self._take(n, room)
+        waiting = [name for name in self._ring if later(self._flows[name].queue[0])]
+        if not waiting:
+            return self._take(n, room)
+        for name in waiting:
+            self._ring.remove(name)
+        try:
+            return self._take(n, room)
+        finally:
+            self._ring.extendleft(reversed(waiting))
+
+    def _take(self, n: int, room: Callable[[Waiting[T]], bool] | None) -> list[Waiting[T]]:
         out: list[Waiting[T]] = []
         full = False
         idle_visits = 0  # visits in a row that sent nothing: a whole round of them means skip ahead
@@ -225,10 +243,12 @@ class FairBuffer(Generic[T]):
         at = self.ready_at(wait_s)
         return None if at is None else max(0.0, at - now)
 
-    def take(self, token_limit: float | None = None) -> list[Waiting[T]]:
+    def take(self, token_limit: float | None = None,
+             later: Callable[[Waiting[T]], bool] | None = None) -> list[Waiting[T]]:
         """The next batch: interactive items by DRR, then offline items by DRR in the space left, up to
         ``max_batch_size`` items, ``max_batch_bytes`` and ``token_limit`` (the KV room of the worker it goes
-        to, counted in item costs); a batch holds at least one item, whatever its size."""
+        to, counted in item costs); a batch holds at least one item, whatever its size. Tenants whose head item
+        ``later`` holds back sit this batch out (:meth:`DeficitRoundRobin.take`): the batch may be empty."""
         n, limit = self.policy.max_batch_size, self.policy.max_batch_bytes
         used = 0
         used_tokens = 0.0
@@ -244,9 +264,9 @@ class FairBuffer(Generic[T]):
             used_tokens += w.cost
             return True
 
-        out = self.classes[Priority.INTERACTIVE].take(n, room)
+        out = self.classes[Priority.INTERACTIVE].take(n, room, later)
         if len(out) < n and (not limit or used < limit):
-            out += self.classes[Priority.OFFLINE].take(n - len(out), room)
+            out += self.classes[Priority.OFFLINE].take(n - len(out), room, later)
         self.bytes -= used
         return out
 

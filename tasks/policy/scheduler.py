@@ -152,10 +152,17 @@ class Scheduler:
         Workers in ``avoid`` (those a retried batch died on) are passed over while another worker serves the
         model, even a busy one: the batch then waits for it.
         """
+        choices, soonest = self.choices(workers, model, now, avoid)
+        return choices[0] if choices else Choice(None, soonest)
+
+    def choices(self, workers: Iterable[WorkerInfo], model: str, now: float,
+                avoid: Collection[str] = ()) -> tuple[list[Choice], float | None]:
+        """Every worker that could take a batch of ``model`` now, best first (:meth:`choose`'s order: least
+        backlog, fewest outstanding, most KV room); with none, how long until one could (None: on the next
+        event)."""
         candidates = [w for w in workers if w.model == model]
         others = [w for w in candidates if w.id not in avoid]
-        best: tuple[float, int, float, float, str, WorkerInfo] | None = None
-        best_room: int | None = None
+        able: list[tuple[tuple[float, int, float, float, str], Choice]] = []
         soonest: float | None = None
         for w in others or candidates:
             n = self.outstanding(w.id, now)
@@ -167,15 +174,20 @@ class Scheduler:
             lead = self.lead(w)
             if n < limit and backlog <= lead:
                 fullness = 0.0 if room is None else 1.0 - room / w.kv_tokens
-                key = (backlog, n, fullness, self._track(w.id).last_sent, w.id, w)
-                if best is None or key[:5] < best[:5]:
-                    best, best_room = key, room
+                able.append(((backlog, n, fullness, self._track(w.id).last_sent, w.id), Choice(w, kv_room=room)))
             elif n < limit:
                 wait = backlog - lead
                 soonest = wait if soonest is None else min(soonest, wait)
-        if best is not None:
-            return Choice(best[5], kv_room=best_room)
-        return Choice(None, soonest)
+        able.sort(key=lambda pair: pair[0])
+        return [c for _, c in able], soonest
+
+    def load(self, worker: WorkerInfo, now: float) -> float:
+        """The share of ``worker``'s capacity it has outstanding: the estimated tokens of its batches over its KV
+        budget (generation models that advertise one), else its batches over the most it may hold."""
+        track = self._track(worker.id)
+        if worker.kv_tokens > 0:
+            return sum(track.tokens.get(b, 0) for b in track.outstanding) / worker.kv_tokens
+        return self.outstanding(worker.id, now) / (self.max_outstanding + worker.slots - 1)
 
     # -- what happened -------------------------------------------------------------------------------
     def sent(self, worker_id: str, batch_id: str, now: float, tokens: int = 0) -> None:

@@ -138,7 +138,7 @@ class SystemCollector(Collector):
         for state, n in states.items():
             by_state.add_metric([state], n)
         yield by_state
-        yield from _prefix_caches([w for w in live if w.prefix_queries or w.cached_blocks])
+        yield from _prefix_caches([w for w in live if w.prefix_caching])
         done, batches, poison, dropped, tokens = (counters[n] for n in COUNTERS)
         yield CounterMetricFamily("llmb_tokens", "Prompt and generated tokens processed by every worker.",
                                   value=tokens)
