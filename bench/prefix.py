@@ -190,7 +190,7 @@ def run(args: argparse.Namespace, routing: bool, calls: list[dict[str, Any]], at
     return {
         "routing": "prefix-aware" if routing else "least-backlog", "calls": len(calls), "ok": len(ok),
         "wall_s": round(wall, 1), "calls_per_s": round(len(ok) / (wall * speed), 2),
-        "ttft_ms": {p: rounded(percentile(ttft, p), 0) for p in (50, 90, 99)},
+        "ttft_ms": {f"p{p}": rounded(percentile(ttft, p), 0) for p in (50, 90, 99)},
         "output_tokens_per_s": round(output / (wall * speed), 1),
         "prefix_hit_rate": round(hits / queries, 3) if queries else None,
         "worker_tokens": by_worker, "worker_max_over_mean": round(max(by_worker.values()) / mean_worker, 2)
@@ -210,7 +210,7 @@ def markdown(report: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for row in report["runs"]:
         t = row["ttft_ms"]
-        lines.append(f"| {row['load']}% | {row['routing']} | {t[50]} | {t[90]} | {t[99]} | "
+        lines.append(f"| {row['load']}% | {row['routing']} | {t['p50']} | {t['p90']} | {t['p99']} | "
                      f"{row['output_tokens_per_s']} | {row['prefix_hit_rate']:.0%} | {row['worker_max_over_mean']} | "
                      f"{row['tenant_served_over_asked_max_over_min']} | {row['ok']}/{row['calls']} |")
     return "\n".join(lines)
