@@ -109,7 +109,7 @@ class WorkerRuntime:
             free_in_ms=round(self.state.free_in_ms(now), 1), kind=self.kind, max_context=self.max_context,
             tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
             kv_tokens=self.kv_tokens, kv_used=self.kv_used(), prefix_caching=cache.caching,
-            prefix_queries=cache.queries, prefix_hits=cache.hits, cached_blocks=cache.blocks, prefixes=list(cache.keys),
+            prefix_queries=cache.queries, prefix_hits=cache.hits, cached_blocks=cache.blocks, prefixes=cache.keys,
         )
 
 

@@ -191,7 +191,7 @@ class WorkerInfo:
     prefix_queries: int = 0
     prefix_hits: int = 0
     cached_blocks: int = 0
-    prefixes: list[str] = field(default_factory=list)  # the prefix keys it holds (tasks.policy.prefixes)
+    prefixes: tuple[str, ...] = ()  # the prefix keys it holds (tasks.policy.prefixes)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -200,7 +200,8 @@ class WorkerInfo:
     def from_json(cls, raw: str | bytes) -> WorkerInfo:
         """A heartbeat; fields a newer worker added are left out, so a batcher reads it during a rolling upgrade."""
         known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+        info = cls(**{k: v for k, v in json.loads(raw).items() if k in known})
+        return replace(info, prefixes=tuple(info.prefixes)) if info.prefixes else info
 
 
 @dataclass(frozen=True)

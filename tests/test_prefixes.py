@@ -83,7 +83,7 @@ def test_an_item_goes_to_the_able_worker_holding_most_of_its_start_within_the_ba
 def lm_worker(wid: str, prefixes: tuple[str, ...] = (), at: float = 1_000.0) -> WorkerInfo:
     return WorkerInfo(id=wid, queue=f"q.{wid}", model="lm", max_batch=100, state="idle", outstanding=0, completed=0,
                       batch_started_at=None, batch_ms_estimate=0.0, heartbeat_at=at, kind="causal", slots=4,
-                      kv_tokens=100_000, prefix_caching=True, prefixes=list(prefixes))
+                      kv_tokens=100_000, prefix_caching=True, prefixes=prefixes)
 
 
 class Fleet:
@@ -124,10 +124,10 @@ def test_the_batcher_sends_a_tenants_later_calls_where_its_start_is_cached() -> 
         fleet.finish_all()
     # the workers' reports replace the batcher's own record: a start a worker no longer holds is not routed to
     fleet.clock.advance(SENT_KEPT_S + 1)
-    fleet.workers = [replace(w, prefixes=[], heartbeat_at=fleet.clock.now) for w in fleet.workers]
+    fleet.workers = [replace(w, prefixes=(), heartbeat_at=fleet.clock.now) for w in fleet.workers]
     fleet.batcher.prefixes = type(fleet.batcher.prefixes)()  # a restarted batcher: it knows only the reports
     moved = fleet.workers[1].id
-    fleet.workers[1] = replace(fleet.workers[1], prefixes=list(reversed(prefix_keys(SYSTEM[0]))))
+    fleet.workers[1] = replace(fleet.workers[1], prefixes=tuple(reversed(prefix_keys(SYSTEM[0]))))
     fleet.chat("after", 0, " one more")
     assert fleet.where("after") == moved
 
@@ -180,3 +180,57 @@ def test_an_item_waits_a_while_for_the_busy_worker_holding_its_start_then_goes_a
     fleet.clock.advance(0.25)
     fleet.batcher.poll()
     assert fleet.where("a-late") == home[1]
+
+
+def test_an_item_no_able_worker_holds_the_start_of_stays_with_the_schedulers_choice() -> None:
+    index = PrefixIndex()
+    index.sent("w1", [prefix_keys(SYSTEM[1])], at=0.0)
+    loaded_first = [Option("w0", 0.5), Option("w1", 0.0)]  # the scheduler's order weighs more than load
+    assert assign([prefix_keys(SYSTEM[0]), prefix_keys("short")], loaded_first, index) == [0, 0]
+    assert index.home(prefix_keys(SYSTEM[0]), ["w0", "w1"]) == (None, 0)
+
+
+def busy_home_fleet() -> tuple[Fleet, dict[int, str]]:
+    """Two workers, tenant 0's start cached on one, which is then busy to its limit with tenant 0's calls."""
+    fleet = Fleet([lm_worker("w0"), lm_worker("w1")])
+    fleet.batcher.prefix_wait_s = 0.2
+    fleet.chat("a-first", 0, "?")
+    fleet.chat("b-first", 1, "?")
+    home = {0: fleet.where("a-first"), 1: fleet.where("b-first")}
+    fleet.finish_all()
+    for i in range(fleet.batcher.scheduler.max_outstanding + 4 - 1):
+        fleet.chat(f"a{i}", 0, f" question {i}")
+    return fleet, home
+
+
+def test_items_deferred_for_their_prefixs_worker_do_not_hold_back_other_tenants() -> None:
+    fleet, home = busy_home_fleet()
+    fleet.chat("a-waits", 0, " one more")
+    assert "a-waits" in {i.request_id for b in fleet.batcher.buffers["lm"] for i in [b.item.item]}
+    now = fleet.clock.now
+    delay = fleet.batcher.add(InferenceRequest(id="c", tenant="t3", model="lm", items=(Item("c.0", "hello"),),
+                                               accepted_at=now, deadline=now + 30, reply_to="r"), lambda: None)
+    assert delay is not None and delay <= fleet.batcher.wait.fixed_s  # a timer for its own wait, not the deferral's
+    fleet.clock.advance(delay)
+    fleet.batcher.poll()
+    assert fleet.where("c") == home[1]  # the free worker, without waiting out tenant 0's deferral
+    assert not any(i.request_id == "a-waits" for b, _ in fleet.sent for i in b.items)
+
+
+def test_an_item_is_not_deferred_when_an_able_worker_holds_as_much_of_its_start() -> None:
+    fleet, home = busy_home_fleet()
+    other = "w1" if home[0] == "w0" else "w0"
+    fleet.batcher.prefixes.sent(other, [prefix_keys(SYSTEM[0])], at=fleet.clock.now)  # replicated there
+    fleet.chat("a-next", 0, " again")
+    assert fleet.where("a-next") == other
+
+
+def test_a_tenant_cut_short_by_a_full_batch_resumes_before_tenants_that_sat_it_out() -> None:
+    from tasks.policy.fairness import DeficitRoundRobin, Waiting
+
+    drr: DeficitRoundRobin[str] = DeficitRoundRobin(quantum=3)
+    for t in ("a", "b"):
+        for i in range(3):
+            drr.add(Waiting(f"{t}{i}", 0.0, 100.0, tenant=t))
+    assert [w.item for w in drr.take(2, later=lambda w: w.tenant == "a")] == ["b0", "b1"]  # b cut short
+    assert [w.item for w in drr.take(2)] == ["b2", "a0"]  # b finishes its visit, then a

@@ -35,6 +35,7 @@ from gpu_worker.backends.sim_lm_engine import (
     KVCache,
     Seq,
     Timing,
+    held_prefixes,
     run_static,
     static_groups,
 )
@@ -95,9 +96,11 @@ class SimLMBackend:
 
     def prefix_cache(self) -> PrefixCache:
         """Its prefix cache's figures since it started (continuous mode: static batches keep no cache)."""
-        with self._cond:
-            return PrefixCache(self.mode == "continuous" and self.cache.sharing, self.cache.queried, self.cache.hits,
-                               self.cache.blocks(), tuple(self.cache.prefixes(REPORTED_KEYS)))
+        with self._cond:  # copied under the lock, the keys worked out outside it (a few ms for a full cache)
+            caching = self.mode == "continuous" and self.cache.sharing
+            queried, hits, blocks = self.cache.queried, self.cache.hits, self.cache.blocks()
+            view = self.cache.prefix_view()
+        return PrefixCache(caching, queried, hits, blocks, tuple(held_prefixes(*view, REPORTED_KEYS)))
 
     def running(self) -> int:
         """Sequences in the decode batch now, and waiting for it (continuous mode)."""

@@ -268,23 +268,30 @@ class KVCache:
         while len(self.chains) > CHAINS_KEPT:
             self.chains.popitem(last=False)
 
+    def prefix_view(self) -> tuple[list[tuple[tuple[str, ...], list[int], list[int]]], frozenset[int]]:
+        """What :func:`held_prefixes` needs, copied (cheap) so that it can run outside the engine's lock."""
+        return list(self.chains.values()), frozenset(self.holders) | frozenset(self.cached)
+
     def prefixes(self, limit: int) -> list[str]:
         """The prefix keys whose pages are all here now (held or cached), most recently admitted first."""
-        out: dict[str, None] = {}
+        return held_prefixes(*self.prefix_view(), limit)
 
-        def here(page: int) -> bool:
-            return page in self.holders or page in self.cached
 
-        for keys, pages, per_key in reversed(self.chains.values()):
-            if not pages or not here(pages[0]):
-                continue
-            for key, needed in zip(keys, per_key):  # (a chain's tail is evicted first: see release)
-                if needed < 1 or needed > len(pages) or not here(pages[needed - 1]):
-                    break
-                out[key] = None
-            if len(out) >= limit:
+def held_prefixes(chains: list[tuple[tuple[str, ...], list[int], list[int]]], here: frozenset[int],
+                  limit: int) -> list[str]:
+    """Of the remembered chains (oldest first: keys, their pages, the pages each key needs), the keys whose
+    pages are all ``here``, most recently admitted first, at most ``limit``."""
+    out: dict[str, None] = {}
+    for keys, pages, per_key in reversed(chains):
+        if not pages or pages[0] not in here:
+            continue
+        for key, needed in zip(keys, per_key):  # (a chain's tail is evicted first: see release)
+            if needed < 1 or needed > len(pages) or pages[needed - 1] not in here:
                 break
-        return list(out)[:limit]
+            out[key] = None
+        if len(out) >= limit:
+            break
+    return list(out)[:limit]
 
 
 # -- continuous batching ------------------------------------------------------------------------------------

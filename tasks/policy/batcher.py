@@ -40,6 +40,7 @@ log = logging.getLogger(__name__)
 EVENT_AGE_LIMIT_S = 0.1
 
 Dispatch = Callable[[Batch, WorkerInfo], None]
+MIN_DEFER_S = 0.001  # a model whose ready items all wait for their prefix's worker is asked again no sooner
 
 
 @dataclass
@@ -99,6 +100,9 @@ class Batcher:
         # Models whose ready batch found no worker able to take it, with when to try again (None: when a
         # worker announces something or the periodic poll runs). Their buffers keep filling meanwhile.
         self.held: dict[str, float | None] = {}
+        # Models whose ready items all wait for the busy worker holding their prompt's start (prefix-aware
+        # routing), with when to look again: new items of other tenants still go by the usual wait.
+        self.deferred: dict[str, float] = {}
         # Batches that came back (split halves, reassigned ones): sent before any new batch of their model.
         # Each carries the ack of the recovery message it came from, given when the last of them is sent.
         self.retries: dict[str, deque[tuple[Batch, _Delivery]]] = {}
@@ -141,14 +145,25 @@ class Batcher:
         self.stats["requests"] += 1
         self.stats["items"] += len(request.items)
         if request.model in self.held:
-            return None  # already waiting for a worker; a full batch changes nothing
+            return self._held_for(request.model, now)  # already waiting for a worker; a full batch changes nothing
+        due = self.deferred.get(request.model)
+        if due is not None and now < due:  # the new items wait as usual, the deferred ones as long as they may
+            due = self.deferred[request.model] = min(due, now + self._wait_s(request.model, buffer, now))
+            return due - now
         if buffer.is_ready(now, self._wait_s(request.model, buffer, now)):
             self.flush(request.model)
             buffer = self.buffers.get(request.model)
+            now = self.clock()
             if buffer is None or request.model in self.held:
-                return None
-        now = self.clock()
+                return None if buffer is None else self._held_for(request.model, now)
+            if request.model in self.deferred:
+                return max(0.0, self.deferred[request.model] - now)
         return buffer.seconds_until_ready(now, self._wait_s(request.model, buffer, now))
+
+    def _held_for(self, model: str, now: float) -> float | None:
+        """Seconds until a held model is asked about again (None: on news from the fleet)."""
+        at = self.held[model]
+        return None if at is None else max(0.0, at - now)
 
     def discard_all(self) -> int:
         """Forget every buffered item and retry without acknowledging it (the broker will redeliver them)."""
@@ -156,23 +171,26 @@ class Batcher:
         self.buffers.clear()
         self.retries.clear()
         self.held.clear()
+        self.deferred.clear()
         return count
 
     # -- output --------------------------------------------------------------------------------------
     def poll(self) -> float | None:
         """Drop expired items and flush every ready batch; returns seconds until the next poll is needed.
 
-        Models held for want of a worker are flushed only once their retry time is due.
+        Models held for want of a worker, or deferred for their prefixes' workers, are flushed only once their
+        retry time is due.
         """
         for model in list(self.buffers.keys() | self.retries.keys()):
-            retry_at = self.held.get(model)
-            if model not in self.held or (retry_at is not None and retry_at <= self.clock()):
+            retry_at = self.held[model] if model in self.held else self.deferred.get(model)
+            if (model not in self.held and model not in self.deferred) or (
+                    retry_at is not None and retry_at <= self.clock()):
                 self.flush(model)
         now = self.clock()
-        waits = [w for m, b in self.buffers.items()
-                 if m not in self.held and (w := b.seconds_until_ready(now, self._wait_s(m, b, now))) is not None]
+        waits = [w for m, b in self.buffers.items() if m not in self.held and m not in self.deferred
+                 and (w := b.seconds_until_ready(now, self._wait_s(m, b, now))) is not None]
         waits += [0.0 for m in self.retries if m not in self.held]
-        waits += [max(0.0, at - now) for at in self.held.values() if at is not None]
+        waits += [max(0.0, at - now) for at in [*self.held.values(), *self.deferred.values()] if at is not None]
         return min(waits, default=None)
 
     def flush(self, model: str) -> int:
@@ -183,6 +201,7 @@ class Batcher:
         self._drop(model, buffer, now)
         sent = 0
         self.held.pop(model, None)
+        self.deferred.pop(model, None)
         workers: list[WorkerInfo] | None = None
         while retries or buffer.is_ready(now, self._wait_s(model, buffer, now)):
             if workers is None:
@@ -209,7 +228,7 @@ class Batcher:
                 continue  # items that could not finish in time are gone: is a batch still due?
             pending = buffer.take(token_limit=choice.kv_room, later=self._later(model, workers, choices, now))
             if not pending:  # every ready item waits for the worker holding its prompt's start
-                self.held[model] = now + self._soonest_due(buffer, now)
+                self.deferred[model] = now + max(MIN_DEFER_S, self._soonest_due(buffer, now))
                 break
             routes = self._routes(pending, choices, now)
             failed = [items for target, items in routes if not self._send_items(model, items, target)]
@@ -225,6 +244,7 @@ class Batcher:
             self.buffers.pop(model, None)
         if not buffer and not retries:
             self.held.pop(model, None)
+            self.deferred.pop(model, None)
         return sent
 
     def _fleet(self) -> list[WorkerInfo]:
@@ -238,27 +258,31 @@ class Batcher:
 
     def _later(self, model: str, workers: list[WorkerInfo],
                choices: list[Choice], now: float) -> Callable[[Waiting[_Entry]], bool] | None:
-        """Which items to leave for a later batch: those whose prompt start a worker that cannot take a batch now
-        holds, while they have waited less than ``prefix_wait_s`` and their deadline is not near (a hit saves
-        its prefill, and a miss would also copy the start to a second cache). None: routing is off, or fewer than
-        two workers report a prefix cache."""
+        """Which items to leave for a later batch: those of which a worker that cannot take a batch now holds a
+        longer prompt start than any worker that can, while they have waited less than ``prefix_wait_s`` and
+        their deadline is not near (a hit saves its prefill, and a miss would also copy the start to a second
+        cache). None: routing is off, or fewer than two workers report a prefix cache."""
         homes = [w.id for w in workers if w.model == model and self.prefixes.knows(w.id)]
         if not self.prefix_routing or len(homes) < 2 or self.prefix_wait_s <= 0:
             return None
         able = {c.worker.id for c in choices if c.worker is not None}
+        able_homes = [h for h in homes if h in able]
         wait = self.prefix_wait_s
 
         def later(w: Waiting[_Entry]) -> bool:
             if now - w.arrived >= wait or w.deadline - now < 2 * wait:
                 return False
-            home = self.prefixes.home(prefix_keys(w.item.item.input), homes)
-            return home is not None and home not in able
+            keys = prefix_keys(w.item.item.input)
+            home, match = self.prefixes.home(keys, homes)
+            return home is not None and home not in able and match > self.prefixes.home(keys, able_homes)[1]
 
         return later
 
     def _soonest_due(self, buffer: FairBuffer[_Entry], now: float) -> float:
-        """Seconds until the first item left for its worker stops waiting for it."""
-        return max(0.0, min((w.arrived + self.prefix_wait_s - now for w in buffer), default=0.0))
+        """Seconds until the first item left for its worker stops waiting for it (it has waited
+        ``prefix_wait_s``, or its deadline is near: :meth:`_later`)."""
+        wait = self.prefix_wait_s
+        return max(0.0, min((min(w.arrived + wait, w.deadline - 2 * wait) - now for w in buffer), default=0.0))
 
     def _routes(self, pending: list[Waiting[_Entry]], choices: list[Choice],
                 now: float) -> list[tuple[WorkerInfo, list[Waiting[_Entry]]]]:
@@ -388,6 +412,8 @@ class Batcher:
         """Ask the scheduler again for every held model (on news from the fleet, and periodically)."""
         for model in self.held:
             self.held[model] = self.clock()  # due now: poll() re-asks the scheduler
+        for model in self.deferred:
+            self.deferred[model] = self.clock()  # a prefix's worker may take a batch now
         return self.poll()
 
     def _new_buffer(self) -> FairBuffer[_Entry]:

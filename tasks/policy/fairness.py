@@ -97,21 +97,27 @@ class DeficitRoundRobin(Generic[T]):
 
         A tenant whose head item ``later`` says is better sent in another batch (prefix-aware routing: its
         worker cannot take one now) sits this batch out: not visited, so neither credited nor charged, and
-        first in the ring for the next batch.
+        first in the ring for the next batch (after a tenant this batch cut short, which resumes first).
         """
         if later is None:
-            return self._take(n, room)
+            return self._take(n, room)[0]
         waiting = [name for name in self._ring if later(self._flows[name].queue[0])]
         if not waiting:
-            return self._take(n, room)
+            return self._take(n, room)[0]
         for name in waiting:
             self._ring.remove(name)
-        try:
-            return self._take(n, room)
-        finally:
+        out, cut_short = self._take(n, room)
+        if cut_short:  # it is at the head with the rest of its deficit: it goes on first
+            head = self._ring.popleft()
             self._ring.extendleft(reversed(waiting))
+            self._ring.appendleft(head)
+        else:
+            self._ring.extendleft(reversed(waiting))
+        return out
 
-    def _take(self, n: int, room: Callable[[Waiting[T]], bool] | None) -> list[Waiting[T]]:
+    def _take(self, n: int, room: Callable[[Waiting[T]], bool] | None) -> tuple[list[Waiting[T]], bool]:
+        """The DRR visits; also whether the batch ended mid-visit (full, or ``n`` reached), the tenant at the
+        head of the ring keeping the credit to go on."""
         out: list[Waiting[T]] = []
         full = False
         idle_visits = 0  # visits in a row that sent nothing: a whole round of them means skip ahead
@@ -141,7 +147,8 @@ class DeficitRoundRobin(Generic[T]):
             elif flow.deficit < flow.queue[0].cost:
                 self._ring.rotate(-1)  # its quantum is spent: next tenant
         self._len -= len(out)
-        return out
+        head = self._flows[self._ring[0]] if self._ring else None
+        return out, head is not None and head.deficit >= head.queue[0].cost
 
     def _skip_idle_rounds(self) -> None:
         """A whole round sent nothing (every head costs more than its tenant's deficit): credit every tenant

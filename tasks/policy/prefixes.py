@@ -42,14 +42,20 @@ KEYS_PER_WORKER = 20_000  # the index remembers at most this many keys per worke
 SENT_KEPT_S = 5.0  # keys sent to a worker count as held there this long, whatever its reports say (not run yet)
 
 
-@lru_cache(maxsize=4096)  # an item is asked about at each flush it waits through
 def prefix_keys(text: str, *, chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> tuple[str, ...]:
     """Chained keys of the text's whole leading chunks: key ``i`` names the first ``i + 1`` chunks. A stable
     hash (the same in every process, unlike ``hash()``), 16 hex digits."""
+    return _chained_keys(text[:chunk_chars * max_chunks], chunk_chars)
+
+
+# An item is asked about at each flush it waits through. Keyed on the start that is hashed (at most 32 KB), not
+# on the whole input (up to the 1 MiB body limit), so the cache holds at most 32 MB.
+@lru_cache(maxsize=1024)
+def _chained_keys(head: str, chunk_chars: int) -> tuple[str, ...]:
     keys: list[str] = []
     chained = hashlib.blake2b(digest_size=8)
-    for i in range(min(len(text) // chunk_chars, max_chunks)):
-        chained.update(text[i * chunk_chars:(i + 1) * chunk_chars].encode("utf-8", "surrogatepass"))
+    for i in range(len(head) // chunk_chars):
+        chained.update(head[i * chunk_chars:(i + 1) * chunk_chars].encode("utf-8", "surrogatepass"))
         keys.append(chained.copy().hexdigest())
     return tuple(keys)
 
@@ -112,16 +118,16 @@ class PrefixIndex:
             n += 1
         return n
 
-    def home(self, keys: Sequence[str], worker_ids: Iterable[str]) -> str | None:
-        """The worker among these holding most of the start these keys name (at least :data:`MIN_MATCH_CHUNKS`
-        chunks; None: none does)."""
-        best, best_match = None, MIN_MATCH_CHUNKS - 1
+    def home(self, keys: Sequence[str], worker_ids: Iterable[str]) -> tuple[str | None, int]:
+        """The worker among these holding most of the start these keys name, and how many chunks of it (at
+        least :data:`MIN_MATCH_CHUNKS`; ``(None, 0)``: none does). Ties go to the first in ``worker_ids``."""
+        best, best_match = None, 0
         if len(keys) >= MIN_MATCH_CHUNKS:
             for worker_id in worker_ids:
                 match = self.match(worker_id, keys)
-                if match > best_match:
+                if match >= MIN_MATCH_CHUNKS and match > best_match:
                     best, best_match = worker_id, match
-        return best
+        return best, best_match
 
     def forget(self, worker_id: str) -> None:
         self._held.pop(worker_id, None)
@@ -146,17 +152,25 @@ def assign(items: Sequence[Sequence[str]], options: Sequence[Option], index: Pre
     """For each item (its prefix keys), the position in ``options`` (best first: the scheduler's order) of the
     worker it should go to: the highest score, ``PREFIX_WEIGHT`` x the share of the item's keys the worker holds
     less ``LOAD_WEIGHT`` x its load (llm-d's weighted scorers, on the same two signals), a match of fewer than
-    :data:`MIN_MATCH_CHUNKS` chunks counting as none; ties go to the scheduler's order."""
+    :data:`MIN_MATCH_CHUNKS` chunks counting as none; ties go to the scheduler's order. An item no option holds
+    the start of stays with the scheduler's choice (its order already weighs backlog, KV room and lead)."""
     if len(options) < 2:
         return [0] * len(items)
     out = []
     for keys in items:
-        best, best_score = 0, float("-inf")
-        for i, option in enumerate(options):
-            match = index.match(option.worker_id, keys) if len(keys) >= MIN_MATCH_CHUNKS else 0
-            held = match / len(keys) if match >= MIN_MATCH_CHUNKS else 0.0
-            score = PREFIX_WEIGHT * held - LOAD_WEIGHT * option.load
-            if score > best_score:
-                best, best_score = i, score
+        held = [_held_share(index, option.worker_id, keys) for option in options]
+        best = 0
+        if any(held):
+            best_score = float("-inf")
+            for i, option in enumerate(options):
+                score = PREFIX_WEIGHT * held[i] - LOAD_WEIGHT * option.load
+                if score > best_score:
+                    best, best_score = i, score
         out.append(best)
     return out
+
+
+def _held_share(index: PrefixIndex, worker_id: str, keys: Sequence[str]) -> float:
+    """The share of an item's keys the worker holds (0 below :data:`MIN_MATCH_CHUNKS` chunks)."""
+    match = index.match(worker_id, keys) if len(keys) >= MIN_MATCH_CHUNKS else 0
+    return match / len(keys) if match >= MIN_MATCH_CHUNKS else 0.0
