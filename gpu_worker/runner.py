@@ -26,7 +26,7 @@ from gpu_worker.device_slots import Device, Held
 from gpu_worker.worker_state import WorkerState
 from tasks.schema import Batch, BatchEvent, BatchItem, Failure, ItemResult
 from tasks.state.claims import Claims, Verdict
-from tasks.state.results import ResultWriter, publish_deltas
+from tasks.state.results import ResultWriter
 from tasks.store.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
 
 log = logging.getLogger("llmb.worker")
@@ -210,9 +210,15 @@ class BatchRunner:
     def _hooks(self, live: tuple[BatchItem, ...], batch_id: str, started_at: float, t0: float,
                early: set[int]) -> Hooks:
         """Streaming, cancellation and early answers for generating backends, by position in the batch."""
+        offsets: dict[int, int] = {}  # characters of each row's text streamed so far
+
         def stream(deltas: list[tuple[int, str]]) -> None:
+            pieces = []
+            for p, text in deltas:
+                pieces.append((live[p], offsets.get(p, 0), text))
+                offsets[p] = offsets.get(p, 0) + len(text)
             try:
-                publish_deltas(self.writer.client, [(live[p].reply_to, live[p].id, text) for p, text in deltas])
+                self.writer.stream(pieces)
             except redis.RedisError as exc:  # the final result still carries the whole text
                 log.warning("could not stream text: %s", exc)
 

@@ -83,6 +83,8 @@ class Stores:
         "SQLAlchemy URL of the outcome ledger (SQLite file by default).")
     result_ttl_s: int = setting(300, "result_ttl_s",
         "How long a result key lives in Redis.")
+    stream_resume_s: float = setting(10.0, "stream_resume_ms",
+        "A stream whose client went away keeps generating this long for the client to resume it (GET /v1/requests/<id>/stream with Last-Event-ID, on any API process) before it is cancelled; 0: cancelled at once.", ms=True)
     result_recheck_s: float = setting(3.0, "result_recheck_ms",
         "A waiting request re-reads its keys this often even without a wake-up (a safety net: wake-ups lost to a Redis reconnect are re-read at once).", ms=True)
     ledger_buffer: int = setting(10_000, "ledger_buffer",

@@ -51,9 +51,18 @@ class IdempotencyConflict(BatchingError):
 
 
 class IdempotencyInProgress(IdempotencyConflict):
-    """Raised when a streamed call is retried with its Idempotency-Key while the first stream still runs."""
+    """Raised when a streamed call is retried with its Idempotency-Key while the first stream still runs (its
+    client resumes it instead: ``GET /v1/requests/<id>/stream``)."""
 
     type = "idempotency_in_progress"
+
+
+class NotResumable(BatchingError):
+    """Raised when a call asked to be resumed as a stream cannot be: it was not streamed, or what the client
+    lacks cannot be rebuilt (a completion's echoed prompt is not kept)."""
+
+    status = 409
+    type = "not_resumable"
 
 
 class RecordUnreadable(BatchingError):

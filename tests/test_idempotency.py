@@ -204,12 +204,13 @@ def test_streams_replay_finished_409_while_running_and_abandoned_ones_run_again(
     assert {c.id for c in replay} == {head.id} and replay[-1].choices[0].finish_reason == "length"
     assert ran(keyed, before) == 1
 
-    # a stream whose caller goes away is cancelled and forgotten: the same key runs it again
+    # a stream whose caller goes away (and does not resume it within LLMB_STREAM_RESUME_MS, 10 s by default) is
+    # cancelled and forgotten: the same key runs it again
     gone = uuid.uuid4().hex
     abandoned = client.completions.create(**{**args, "extra_headers": {"Idempotency-Key": gone}})
     next(iter(abandoned))
     abandoned.close()
-    wait_for(lambda: not keyed.redis.exists(idem_key(keyed, "team-a", gone)), 15,
+    wait_for(lambda: not keyed.redis.exists(idem_key(keyed, "team-a", gone)), 10 + 15,
              "the abandoned stream's key to be released")
     fresh = list(client.completions.create(**{**args, "extra_headers": {"Idempotency-Key": gone}}))
     assert "".join(c.choices[0].text for c in fresh) == text  # the same prompt, greedy: the same text

@@ -189,7 +189,8 @@ def test_a_client_that_leaves_mid_stream_cancels_its_generation(models_stack: St
             cancelled.append(message["data"])
         return bool(cancelled)
 
-    wait_for(published, 10, "a message on the cancel channel")
+    # the default LLMB_STREAM_RESUME_MS (10 s) first: the client may come back for the stream meanwhile
+    wait_for(published, 10 + 10, "a message on the cancel channel")
     assert cancelled[0], "leaving a stream publishes its item id on the cancel channel"
 
 

@@ -404,8 +404,9 @@ def lm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     with running_stack(Path(tmp_path_factory.mktemp("sim-lm")), web_workers=1,
                        workers=[(0, {"backend": "sim-lm"})],  # real time: the modelled A100's 11 ms steps
-                       heartbeat_interval_s=0.25, heartbeat_stale_factor=4) as s:
-        yield s
+                       heartbeat_interval_s=0.25, heartbeat_stale_factor=4,
+                       stream_resume_ms=0) as s:  # a stream left is cancelled at once (the default window:
+        yield s                                   # test_stream_resume.py, test_openai_api.py)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from tasks.config import Settings
 from tasks.gateway.calls import Answer
 from tasks.logs import setup_logging
-from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
+from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, count_refusal
 from tasks.state.records import Shape
 from webapp import admin_api, answers, batch_api, openai_api, openapi, requests_api, tenancy, worker
 from webapp.accept_door import AcceptDoor, HeldFull
@@ -84,6 +84,10 @@ def log_outcome(response: Response) -> None:
     error_type = g.get("error_type", "")
     HTTP_REQUESTS.labels(str(response.status_code), error_type).inc()
     REQUEST_LATENCY.labels(str(response.status_code)).observe(elapsed)
+    if response.status_code == 429:
+        principal = g.get("principal")
+        count_refusal(principal.tenant.name if principal is not None else g.get("claimed_tenant") or "default",
+                      error_type)
     if not log.isEnabledFor(logging.INFO):  # its arguments alone cost a few percent of a request's CPU
         return
     batches = ",".join(g.get("batch_ids", ()))

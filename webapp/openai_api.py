@@ -8,7 +8,6 @@ shape, ``{"error": {"message", "type", "param", "code"}}``.
 from __future__ import annotations
 
 import itertools
-import json
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
@@ -17,13 +16,14 @@ from flask import Blueprint, Response, g, jsonify, stream_with_context
 
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
-from tasks.gateway.calls import Answer, Call, Delta, Done
-from tasks.schema import ItemResult, Priority
+from tasks.gateway.calls import Answer, Call
+from tasks.policy.stream_position import Position
+from tasks.schema import Priority
 from tasks.state.records import Shape
-from webapp import answers, tenancy
+from webapp import answers, sse, tenancy
 from webapp.body import read_json
 from webapp.errors import OPENAI, register_error_handlers
-from webapp.openai_schema import Streaming, chunk, parse_chat, parse_completion, parse_embeddings, usage_chunk
+from webapp.openai_schema import Streaming, parse_chat, parse_completion, parse_embeddings
 from webapp.services import services
 from webapp.validation import asks_offline
 
@@ -80,7 +80,8 @@ def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Respo
     so does any error before the worker's first token (a prompt too long for the model's context: 400
     context_length_exceeded, counted by the worker with the model's own tokenizer; a deadline passed in the
     queue: 504): the response starts with the first event. An idempotent retry of a finished stream gets each
-    choice's whole text in one chunk."""
+    choice's whole text in one chunk. Every event but an error's carries an SSE ``id``: a client whose
+    connection drops resumes the stream from it (:mod:`webapp.requests_api`)."""
     _check_model(call, endpoint)
     events = services().gateway.stream(call, shape=shape, idempotency=g.get("idempotency"))
     if events.replayed:
@@ -98,46 +99,35 @@ def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Respo
         raise first
 
     def generate() -> Iterator[str]:
-        sent: dict[int, str] = {}
-        done: dict[int, ItemResult] = {}
         try:
-            for index, prompt in enumerate(call.inputs):  # each choice opens with its role, or the prompt it echoes
-                if chat:
-                    yield _data(chunk(call, chat, {"role": "assistant", "content": ""}, None, streaming, index))
-                elif call.params.get("echo"):
-                    yield _data(chunk(call, chat, prompt, None, streaming, index))
-            for event in itertools.chain([first] if first is not None else [], stream):
-                if isinstance(event, Delta):
-                    sent[event.index] = sent.get(event.index, "") + event.text
-                    yield _data(chunk(call, chat, event.text, None, streaming, event.index))
-                elif isinstance(event, Done):
-                    done[event.index] = event.result
-                    text, already = event.result.output["text"], sent.get(event.index, "")
-                    rest = text[len(already):] if text.startswith(already) else ""
-                    yield _data(chunk(call, chat, rest, event.result.output["finish_reason"], streaming, event.index,
-                                      event.result.output))
-                else:
-                    g.error_type = event.type
-                    yield _data(OPENAI.body(event.status, event.type, event.message, g.request_id))
-            if streaming.include_usage and len(done) == len(call.inputs):
-                yield _data(usage_chunk(call, chat, tuple(done[i] for i in sorted(done)), shape.choices))
-            yield "data: [DONE]\n\n"
+            yield from sse.render(call, chat, streaming, openings(call, chat), shape.choices,
+                                  itertools.chain([first] if first is not None else [], stream),
+                                  Position.start(len(call.inputs)), on_error=_note_error)
         finally:
-            events.close()  # the client went away mid-stream: cancel the generations in the worker
+            events.close()  # the client went away mid-stream: cancel the generations (unless it resumes)
 
     return Response(stream_with_context(generate()), mimetype="text/event-stream",
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _data(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
+def openings(call: Call, chat: bool) -> list[Any]:
+    """What opens each choice of a stream: its role (chat), the prompt it echoes (a completion with echo), or
+    nothing."""
+    if chat:
+        return [{"role": "assistant", "content": ""}] * len(call.inputs)
+    return list(call.inputs) if call.params.get("echo") else [None] * len(call.inputs)
+
+
+def _note_error(error: BatchingError) -> None:
+    g.error_type = error.type
 
 
 @bp.post("/v1/completions")
 @tenancy.authenticated
 def completions() -> Response:
     call, stream = _parsed(parse_completion)
-    shape = Shape("completions", stream=stream is not None, choices=call.params.get("n", 1))
+    shape = Shape("completions", stream=stream is not None, choices=call.params.get("n", 1),
+                  usage=stream is not None and stream.include_usage, echo=bool(call.params.get("echo")))
     if stream is not None:
         return _sse(call, "completions", shape, stream)
     return jsonify(answers.render(shape, call.model, _run(call, "completions", shape)))
@@ -147,7 +137,8 @@ def completions() -> Response:
 @tenancy.authenticated
 def chat_completions() -> Response:
     call, stream = _parsed(parse_chat)
-    shape = Shape("chat", stream=stream is not None, choices=call.params.get("n", 1))
+    shape = Shape("chat", stream=stream is not None, choices=call.params.get("n", 1),
+                  usage=stream is not None and stream.include_usage)
     if stream is not None:
         return _sse(call, "chat", shape, stream)
     return jsonify(answers.render(shape, call.model, _run(call, "chat", shape)))

@@ -23,7 +23,7 @@ import math
 import struct
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput
@@ -267,7 +267,17 @@ def chat_logprobs(output: dict[str, Any]) -> dict[str, Any] | None:
                         for e in output["logprobs"]], "refusal": None}
 
 
-def chunk(call: Call, chat: bool, text: Any, finish_reason: str | None,
+class Named(Protocol):
+    """What a chunk names: its call's request id and model (a :class:`Call`, or a call's record)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def model(self) -> str: ...
+
+
+def chunk(call: Named, chat: bool, text: Any, finish_reason: str | None,
           streaming: Streaming | None = None, index: int = 0, output: dict[str, Any] | None = None) -> dict[str, Any]:
     """One streamed chunk of choice ``index``; for chat, ``text`` may be a whole delta object (the opening role
     chunk). ``output``: the choice's finished output, whose log-probabilities (if it asked for them) go in this,
@@ -285,13 +295,13 @@ def chunk(call: Call, chat: bool, text: Any, finish_reason: str | None,
     return out
 
 
-def usage_chunk(call: Call, chat: bool, results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, Any]:
+def usage_chunk(call: Named, chat: bool, results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, Any]:
     """The last chunk before ``[DONE]`` of a stream that asked for ``include_usage``: no choices, the counts
     (each prompt's once, whatever its ``choices``: :func:`usage`)."""
     return _chunk_head(call, chat) | {"choices": [], "usage": usage(results, choices)}
 
 
-def _chunk_head(call: Call, chat: bool) -> dict[str, Any]:
+def _chunk_head(call: Named, chat: bool) -> dict[str, Any]:
     if chat:
         return {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": call.model}

@@ -37,7 +37,7 @@ DESCRIPTIONS = {200: "answered", 201: "created", 400: "malformed body, field or 
                 401: "no API key, or an unknown one", 403: "an admin route without an admin key, or another tenant's",
                 404: "no such path or object",
                 405: "method not allowed", 408: "the body or headers did not arrive in time",
-                409: "an Idempotency-Key names another call, or a record cannot be read",
+                409: "an Idempotency-Key names another call, a record cannot be read, or a call cannot be resumed",
                 413: "body over LLMB_MAX_BODY_BYTES", 422: "a poison input", 429: "full, overloaded or over a limit",
                 503: "RabbitMQ, Redis, the database or every worker away",
                 504: "no answer before the deadline", 507: "the files folder is full"}
@@ -263,6 +263,12 @@ def _native_paths(settings: Settings) -> Schema:
         "/v1/requests/{request_id}": {"get": _op(
             "A call's record: its status, and its answer once it has one", _object({"id": STRING}), (409,),
             openai=False, params=[_path_param("request_id")])},
+        "/v1/requests/{request_id}/stream": {"get": _op(
+            "A streamed call's events again, after the one Last-Event-ID names (resuming a stream whose connection "
+            "or API process died); each event's id is the client's position after it", STRING, (400, 409),
+            openai=False, ok_type="text/event-stream", params=[
+                _path_param("request_id"), _query("last_event_id", STRING),
+                {"name": "Last-Event-ID", "in": "header", "required": False, "schema": STRING}])},
         "/v1/admin/tenants": {"get": _op("Every tenant, with its items in flight", _object(
             {"tenants": {"type": "array"}}, ("tenants",)), openai=False)},
         "/v1/admin/tenants/{name}": {"put": _op("Create or change a tenant", tenant, (400,), openai=False,

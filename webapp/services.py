@@ -15,7 +15,7 @@ from tasks.gateway.gate import Gate
 from tasks.gateway.gateway import Gateway
 from tasks.gateway.links import redis_client
 from tasks.policy.shedding import Door
-from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, SystemCollector
+from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, TENANT_REFUSALS, SystemCollector
 from tasks.store.directory import TenantDirectory
 from tasks.store.tenants import KeyStore
 from webapp.door import door_from_settings
@@ -49,7 +49,7 @@ class Services:
                    keys=keys,
                    tenants=TenantDirectory(keys, ttl_s=settings.tenants.auth_cache_s),
                    door=door_from_settings(settings, gate),
-                   metrics=metrics_registry(settings, gateway, publisher))
+                   metrics=metrics_registry(settings, gateway, publisher, keys))
 
 
 def services(app: Flask | None = None) -> Services:
@@ -59,7 +59,8 @@ def services(app: Flask | None = None) -> Services:
     return found
 
 
-def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPublisher) -> CollectorRegistry:
+def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPublisher,
+                     keys: KeyStore) -> CollectorRegistry:
     """This process's view of every API process (multiprocess mode) plus the system-wide figures."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -67,6 +68,7 @@ def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPub
     else:  # a single process (tests, the Flask dev server): its own counters are the whole story
         registry.register(HTTP_REQUESTS)
         registry.register(REQUEST_LATENCY)
+        registry.register(TENANT_REFUSALS)
 
     def depth() -> int | None:
         try:
@@ -74,5 +76,11 @@ def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPub
         except Exception:  # RabbitMQ away: leave the gauge out of this scrape
             return None
 
-    registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth, gateway.clock))
+    def tenants() -> list[str]:
+        try:
+            return [t.name for t in keys.list_tenants()]
+        except Exception:  # the database away: the tenants' gauges are left out of this scrape
+            return []
+
+    registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth, gateway.clock, tenants))
     return registry

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tasks.errors import BatchingError
+from tasks.policy.stream_position import Position
 from tasks.schema import ItemResult, Priority
 from tasks.state.records import Record, State
 
@@ -82,3 +83,13 @@ class Events:
 
     def close(self) -> None:
         self._events.close()
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """A streamed call resumed (:meth:`tasks.gateway.gateway.Gateway.resume`): its record, the client's position,
+    and the events after it."""
+
+    record: Record
+    position: Position
+    events: Iterator[Event]

@@ -20,22 +20,25 @@ import redis
 
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
-from tasks.errors import BatchingError, IdempotencyConflict, QueueFull, Unavailable
+from tasks.errors import BatchingError, IdempotencyConflict, InvalidInput, NotResumable, QueueFull, Unavailable
 from tasks.gateway import readiness
-from tasks.gateway.calls import Answer, Call, Events, Lookup
+from tasks.gateway.calls import Answer, Call, Events, Lookup, Resumed
 from tasks.gateway.gate import NO_GATE, Gate, Turn
 from tasks.gateway.idempotency import Replays, replayed
 from tasks.gateway.lease import Lease
 from tasks.gateway.links import PUBLISH_ERRORS, REDIS_TIMEOUT_S, broker_refusal, redis_call, redis_refusal
 from tasks.gateway.prepared import Joining, Prepared, request_of
+from tasks.gateway.resume import Resumer
 from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
 from tasks.gateway.waiting import Entered, Waiter, Waiting
 from tasks.policy.capacity import deadline_cap
 from tasks.policy.refusal import HeldFull, admission_refusal, deadline_refusal, shortest_answer_s, token_demand
+from tasks.policy.stream_position import BadPosition, Position
 from tasks.schema import Priority, WorkerInfo, input_hash
 from tasks.state.admission import Admission, AdmitCall, Decision, Ticket, Verdict
 from tasks.state.clock import SharedClock
 from tasks.state.fleet import Fleet, FleetCache
+from tasks.state.journal import Journal
 from tasks.state.keys import Keys
 from tasks.state.metrics import door_round_calls
 from tasks.state.records import Idempotency, Shape
@@ -82,8 +85,10 @@ class Gateway:
         self.result_key = self.keys.result
         self.listener = ResultListener(client, self.reply_to, self.result_key, settings.stores.result_recheck_s)
         self.replays = Replays(self.requests, self.listener)
+        self.journal = Journal(client, self.keys, settings.stores.result_ttl_s)
+        self.resumer = Resumer(self.journal, self.listener, self.clock)
         self.waiting = Waiting(client, self.keys, self.admission, self.requests, self.listener, self.replays,
-                               self.clock)
+                               self.clock, journal=self.journal, resume_s=settings.stores.stream_resume_s)
         # The calls this process has ready at once go to Redis and RabbitMQ together.
         self.rounds: Rounds[Joining, Waiter] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
             "the call's admission round was interrupted; retry"))
@@ -125,7 +130,8 @@ class Gateway:
         """Admit and publish a call now (so refusals raise here), then return its events (:class:`Event`): each
         item's text as the worker streams it (a Delta), its result as it finishes (a Done), or an error that
         ends the stream. Closing the iterator early (the client went away) cancels the generations in the
-        worker, and forgets the call (a retry with its idempotency key runs it again).
+        worker, and forgets the call (a retry with its idempotency key runs it again), ``LLMB_STREAM_RESUME_MS``
+        later unless the client resumed the stream meanwhile (:meth:`resume`).
 
         An idempotent retry of a finished stream gets the first call's results, each as one Done; of a stream
         still running, IdempotencyInProgress (409): its text went to the first caller."""
@@ -134,6 +140,28 @@ class Gateway:
         if isinstance(entered, Answer):
             return Events(entered.request_id, replayed(entered.results), replayed=True)
         return Events(call.request_id, self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered))
+
+    def resume(self, tenant: str, request_id: str, last_event_id: str | None) -> Resumed | None:
+        """The tenant's streamed call of this id again, after the event ``last_event_id`` names (None: from the
+        start); None: no such call of this tenant. Marks it resumed, so that the process its client left does not
+        cancel it. Raises NotResumable (a call that was not streamed; an echoed prompt that was not sent) or
+        InvalidInput (an id this stream never sent)."""
+        found = self.lookup(tenant, request_id)
+        if found is None:
+            return None
+        record = found.record
+        if not record.shape.stream or record.shape.route not in ("chat", "completions"):
+            raise NotResumable(f"request {request_id!r} was not streamed: GET /v1/requests/{request_id} has its answer")
+        try:
+            position = Position.parse(last_event_id, len(record.items)) if last_event_id is not None \
+                else Position.start(len(record.items))
+        except BadPosition as exc:
+            raise InvalidInput(f"{exc}; send the id of the last event received") from None
+        if record.shape.echo and not all(c.opened for c in position.choices):
+            raise NotResumable("a completion that echoes its prompt resumes only after its opening chunks (the "
+                               "prompt is not kept)")
+        redis_call(lambda: self.journal.mark_resumed(tenant, record.request_id))
+        return Resumed(record, position, self.resumer.events(record, position))
 
     def lookup(self, tenant: str, request_id: str) -> Lookup | None:
         """The tenant's call of this id (None: unknown to this tenant, or expired)."""

@@ -102,7 +102,7 @@ class Replays:
             if not follow:
                 raise IdempotencyInProgress(
                     f"the stream of request {view.record.request_id!r} with this Idempotency-Key is still running; "
-                    "retry once it has finished to get its result")
+                    "resume it (GET /v1/requests/<id>/stream with Last-Event-ID) or retry once it has finished")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise DeadlineExceeded(f"no output within {call.timeout_ms} ms: request "

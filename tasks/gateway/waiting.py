@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
 from tasks.policy.refusal import error_of
 from tasks.schema import ItemResult
 from tasks.state.admission import Admission, CollectCall, Ticket
+from tasks.state.journal import Journal
 from tasks.state.keys import Keys
 from tasks.state.records import Idempotency, Outcome, Record
 from tasks.state.requests import Requests
@@ -45,8 +47,11 @@ class Waiting:
     """Waits for admitted calls' results and records how each ended."""
 
     def __init__(self, client: redis.Redis, keys: Keys, admission: Admission, requests: Requests,
-                 listener: ResultListener, replays: Replays, clock: Callable[[], float]) -> None:
+                 listener: ResultListener, replays: Replays, clock: Callable[[], float], *,
+                 journal: Journal | None = None, resume_s: float = 0.0) -> None:
         self.client = client
+        self.journal = journal  # where a stream's client marks that it came back
+        self.resume_s = resume_s  # how long a stream whose client left waits for it to come back
         self.keys = keys
         self.admission = admission
         self.requests = requests
@@ -119,8 +124,9 @@ class Waiting:
     def events(self, ticket: Ticket, entered: Entered) -> Generator[Event, None, None]:
         """A streamed call's events: each item's Delta as the worker streams it and its Done as it finishes; an
         error (an item's own, or the deadline passing first) ends the stream, the other items cancelled. The
-        outcome is recorded once every item is done. Closed early (the client went away), the call is
-        forgotten and its unfinished generations cancelled."""
+        outcome is recorded once every item is done. Closed early (the client went away), the generations go on
+        for ``resume_s`` (the client may resume the stream from any API process: :mod:`tasks.gateway.resume`);
+        if it has not come back by then, the call is forgotten and its unfinished generations cancelled."""
         index = {item_id: i for i, item_id in enumerate(entered.ids)}
         results: dict[str, ItemResult] = {}
         settled = False
@@ -146,12 +152,32 @@ class Waiting:
             settled = True  # nothing can be recorded now; the record keeps what it had
             yield redis_refusal(exc, " while streaming", busy_is_overload=False)
         finally:
-            if not settled:  # the client went away mid-stream: forget the call before its generation stops
-                self.replays.forget(entered.record, entered.idempotency)
             unfinished = [i for i in entered.ids if i not in results]
-            if unfinished:
-                self.cancel(unfinished)
-                self.release(ticket, unfinished)
+            if not settled and self.resume_s > 0 and self.journal is not None:
+                timer = threading.Timer(self.resume_s, self._abandon, (ticket, entered, unfinished))
+                timer.daemon = True
+                timer.start()
+            else:
+                self._abandon(ticket, entered, unfinished, settled)
+
+    def _abandon(self, ticket: Ticket, entered: Entered, unfinished: list[str], settled: bool = False) -> None:
+        """A stream's client went away (or its call ended in an error): unless it came back for the stream,
+        forget the call (before its generation stops: a retry must not find a cancelled output) and cancel what
+        is unfinished."""
+        record = entered.record
+        try:
+            if not settled and self.journal is not None and self.journal.resumed(record.tenant, record.request_id):
+                log.info("the client of stream %s came back for it", record.request_id)
+                return  # it runs on, its admission held to its deadline
+            if not settled:
+                log.info("the client of stream %s went away: cancelling %d item(s)", record.request_id,
+                         len(unfinished))
+                self.replays.forget(record, entered.idempotency)
+        except redis.RedisError as exc:
+            log.warning("could not settle the stream of request %s its client left: %s", record.request_id, exc)
+        if unfinished:
+            self.cancel(unfinished)
+            self.release(ticket, unfinished)
 
     def _settle(self, entered: Entered, error: BatchingError | None, total_ms: float = 0.0,
                 results: Sequence[ItemResult] = ()) -> bool:

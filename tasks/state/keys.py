@@ -25,6 +25,9 @@ key                                       type    what
 ``<ns>:idem:<tenant>:<sha256(key)>``      string  an Idempotency-Key's claim: body hash, request id, record key
 ``<ns>:idem:<tenant>:<sha256(key)>:record`` string the record of the call the key names, kept under the key so
                                                   that no reuse of its request id can replace it
+``<ns>:journal:<item id>``                stream  a streamed item's text, piece by piece, for resuming
+                                                  (:mod:`tasks.state.journal`)
+``<ns>:resumed:<tenant>:<request id>``    string  a streamed call's client came back for it
 ``<ns>:replies:<instance>``               channel wake-ups (and streamed text) for one API process
 ``<ns>:cancel``                           channel item ids whose callers went away
 ``<ns>:stats:<counter>``                  string  system-wide counters (items_done, tokens, ...)
@@ -68,6 +71,12 @@ class Keys:
 
     def result(self, item_id: str) -> str:
         return self._key("result", item_id)
+
+    def journal(self, item_id: str) -> str:
+        return self._key("journal", item_id)
+
+    def resumed(self, tenant: str, request_id: str) -> str:
+        return self._key("resumed", tenant, request_id)
 
     def request(self, tenant: str, request_id: str) -> str:
         """A call's record (``request_id`` "": the prefix of the tenant's records)."""

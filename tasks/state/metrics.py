@@ -40,6 +40,23 @@ REQUEST_LATENCY = Histogram("llmb_request_duration_seconds", "End-to-end latency
                             ["status"], buckets=LATENCY_BUCKETS)
 
 
+# Refusals (429) by tenant, the tenant-fairness panel's signal. A tenant named by X-Tenant (keys off) is the
+# caller's word, so the label values are bounded: past this many tenants in one process, the rest count as "other".
+TENANT_REFUSALS = Counter("llmb_tenant_refusals", "Inference calls refused with 429, by tenant and error type.",
+                          ["tenant", "type"])
+MAX_TENANT_LABELS = 1000
+_tenant_labels: set[str] = set()
+
+
+def count_refusal(tenant: str, error_type: str) -> None:
+    if tenant not in _tenant_labels:
+        if len(_tenant_labels) >= MAX_TENANT_LABELS:
+            tenant = "other"
+        else:
+            _tenant_labels.add(tenant)
+    TENANT_REFUSALS.labels(tenant, error_type).inc()
+
+
 @functools.cache
 def door_round_calls() -> Histogram:
     """Calls per admission round at the door (made on first use: an unlabelled metric in multiprocess mode opens
@@ -98,9 +115,12 @@ class SystemCollector(Collector):
     """System-wide figures, read at scrape time."""
 
     def __init__(self, settings: Settings, fleet: Fleet, admission: Admission,
-                 queue_depth: Callable[[], int | None], clock: Callable[[], float] = time.time) -> None:
-        """``fleet``, ``admission`` and ``clock``: the API process's own (its gateway's), read at scrape time."""
+                 queue_depth: Callable[[], int | None], clock: Callable[[], float] = time.time,
+                 tenants: Callable[[], list[str]] = lambda: []) -> None:
+        """``fleet``, ``admission`` and ``clock``: the API process's own (its gateway's), read at scrape time;
+        ``tenants``: the tenants whose items in flight are reported."""
         self.settings = settings
+        self.tenants = tenants
         self.clock = clock
         self.queue_depth = queue_depth
         self.fleet = fleet
@@ -118,6 +138,8 @@ class SystemCollector(Collector):
             workers = self.fleet.all()
             live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
             models = model_report(self.admission, live, now, s.tenants.scale_headroom)
+            names = sorted(set(self.tenants()) | {"default"})
+            by_tenant = {t: self.admission.tenant_in_flight(t, now) for t in names}
         except redis.RedisError:
             yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=0)
             return
@@ -139,6 +161,19 @@ class SystemCollector(Collector):
             by_state.add_metric([state], n)
         yield by_state
         yield from _prefix_caches([w for w in live if w.prefix_caching])
+        busy = GaugeMetricFamily("llmb_worker_utilisation", "Fraction of the last minute a live worker's device "
+                                 "spent running batches.", labels=["worker", "model"])
+        for w in live:
+            busy.add_metric([w.id, w.model], w.utilisation)
+        yield busy
+        tenants = GaugeMetricFamily("llmb_tenant_in_flight", "A tenant's items admitted and not yet answered.",
+                                    labels=["tenant"])
+        for tenant, n in by_tenant.items():
+            tenants.add_metric([tenant], n)
+        yield tenants
+        yield GaugeMetricFamily("llmb_deadline_budget_seconds", "The deadline of a call that sets none "
+                                "(LLMB_DEFAULT_TIMEOUT_MS): queue ages are judged against it.",
+                                value=s.admission.default_timeout_ms / 1000)
         done, batches, poison, dropped, tokens = (counters[n] for n in COUNTERS)
         yield CounterMetricFamily("llmb_tokens", "Prompt and generated tokens processed by every worker.",
                                   value=tokens)

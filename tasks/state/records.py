@@ -77,6 +77,8 @@ class Shape:
     encoding: str = "float"  # embeddings: float or base64
     stream: bool = False
     choices: int = 1  # completions and chat: choices of each prompt (n), so usage counts each prompt once
+    usage: bool = False  # a stream that asked for its usage chunk (stream_options.include_usage)
+    echo: bool = False  # a completion that echoes its prompt (not kept: a resumed stream cannot send it)
 
 
 @dataclass(frozen=True)
@@ -151,7 +153,9 @@ class Record:
                                single=_field(shape, "single", (bool,), False),
                                encoding=_field(shape, "encoding", (str,), "float"),
                                stream=_field(shape, "stream", (bool,), False),
-                               choices=_field(shape, "choices", (int,), 1)),
+                               choices=_field(shape, "choices", (int,), 1),
+                               usage=_field(shape, "usage", (bool,), False),
+                               echo=_field(shape, "echo", (bool,), False)),
                    outcome=None if outcome is None else Outcome.checked(outcome),
                    published=_field(d, "published", (bool, type(None)), None),
                    key_hash=_field(d, "key_hash", (str, type(None)), None))

@@ -20,6 +20,7 @@ import redis
 from tasks.config import Settings
 from tasks.schema import BatchItem, ItemResult
 from tasks.state.claims import DONE
+from tasks.state.journal import Journal
 from tasks.state.keys import Keys
 from tasks.state.pubsub import Subscription
 
@@ -33,19 +34,22 @@ class ResultWriter:
     """Used by GPU workers: one Redis round trip per batch for all outputs and wake-ups."""
 
     def __init__(self, client: redis.Redis, key: Callable[[str], str], ttl_s: int,
-                 counter_key: str | None = None, batch_counter_key: str | None = None) -> None:
+                 counter_key: str | None = None, batch_counter_key: str | None = None,
+                 journal: Journal | None = None) -> None:
         self.client = client
         self.key = key
         self.ttl_s = ttl_s
         self.counter_key = counter_key  # items answered with an output
         self.batch_counter_key = batch_counter_key  # batches run
+        self.journal = journal  # where streamed text is kept for resuming (None: not kept)
 
     @classmethod
     def from_settings(cls, settings: Settings, client: redis.Redis, *, count: bool = False) -> ResultWriter:
         """``count``: also count items and batches answered (the GPU workers' writer; recovery's does not)."""
         keys = Keys.from_settings(settings)
-        return cls(client, keys.result, settings.stores.result_ttl_s, keys.stat("items_done") if count else None,
-                   keys.stat("batches_done") if count else None)
+        ttl_s = settings.stores.result_ttl_s
+        return cls(client, keys.result, ttl_s, keys.stat("items_done") if count else None,
+                   keys.stat("batches_done") if count else None, Journal(client, keys, ttl_s))
 
     def write(self, results: Iterable[tuple[BatchItem, ItemResult]], done_key: str | None = None,
               extra: Callable[[Any], None] | None = None) -> None:
@@ -83,19 +87,22 @@ class ResultWriter:
         return {item_id for item_id, found in zip(item_ids, pipe.execute()) if found}
 
 
+    def stream(self, deltas: Iterable[tuple[BatchItem, int, str]]) -> None:
+        """Stream text to waiting callers: (item, offset in its text, text), one PUBLISH per reply channel, each
+        piece kept in the item's journal too (:mod:`tasks.state.journal`), all in one round trip."""
+        by_channel: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        pipe = self.client.pipeline(transaction=False)
+        for item, offset, text in deltas:
+            by_channel[item.reply_to].append((item.id, text))
+            if self.journal is not None:
+                self.journal.append(pipe, item.id, offset, text)
+        if by_channel:
+            for channel, pairs in by_channel.items():
+                pipe.publish(channel, DELTAS + json.dumps(pairs))
+            pipe.execute()
+
+
 DELTAS = "D"  # first character of a pub/sub message carrying streamed text rather than finished item ids
-
-
-def publish_deltas(client: redis.Redis, deltas: Iterable[tuple[str, str, str]]) -> None:
-    """Stream text to waiting callers: (reply channel, item id, text) triples, one PUBLISH per channel."""
-    by_channel: dict[str, list[tuple[str, str]]] = defaultdict(list)
-    for channel, item_id, text in deltas:
-        by_channel[channel].append((item_id, text))
-    if by_channel:
-        pipe = client.pipeline(transaction=False)
-        for channel, pairs in by_channel.items():
-            pipe.publish(channel, DELTAS + json.dumps(pairs))
-        pipe.execute()
 
 
 class _Waiter:

@@ -1,0 +1,82 @@
+"""A streamed call's events again, from where its client's connection stopped, on any API process.
+
+The client names the last event it got (its SSE id, a :class:`tasks.policy.stream_position.Position`); what it
+lacks comes from Redis, where nothing depends on the API process that ran the call: each unfinished choice's
+text from the worker's journal (:mod:`tasks.state.journal`), piece by piece as the worker streams it (the same
+pieces the first stream sent, so the same events), and each choice's end from its result. A choice whose
+position the journal no longer covers (trimmed, or the journal expired) gets the rest of its text with its end.
+The events are the gateway's (:class:`tasks.gateway.calls.Event`), so the route renders them as the first
+stream did; a finished choice's Done comes too (the usage chunk counts it), and the renderer sends nothing for it.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+
+from tasks.errors import DeadlineExceeded
+from tasks.gateway.calls import Delta, Done, Event
+from tasks.policy.refusal import error_of
+from tasks.policy.stream_position import Position, text_after
+from tasks.state.journal import Journal
+from tasks.state.records import OUTCOME_GRACE_S, Record
+from tasks.state.results import ResultListener
+
+BLOCK_MS = 250  # a resumed stream waits this long for the next piece before it reads the results again
+
+
+class Resumer:
+    def __init__(self, journal: Journal, listener: ResultListener, clock: Callable[[], float]) -> None:
+        self.journal = journal
+        self.listener = listener
+        self.clock = clock  # the shared clock: the record's deadline is on it
+
+    def events(self, record: Record, position: Position) -> Iterator[Event]:
+        """What the client at ``position`` lacks of the call's choices (their text, then each one's Done), or
+        an error that ends the stream (an item's own, or the call's deadline passing first)."""
+        ids = record.items
+        pending = {i for i, c in enumerate(position.choices) if not c.finished}
+        finished = self.listener.fetch([ids[i] for i in range(len(ids)) if i not in pending])
+        for i in sorted(set(range(len(ids))) - pending):
+            if ids[i] in finished:
+                yield Done(i, finished[ids[i]])
+        text = _Text(self.journal, ids, position)
+        block: int | None = None
+        while pending:
+            yield from text.read(sorted(pending), block)
+            results = self.listener.fetch([ids[i] for i in sorted(pending)])
+            ended = [i for i in sorted(pending) if ids[i] in results]
+            if ended:  # a worker journals an item's text before it writes its result: read the last pieces
+                yield from text.read(ended, None)
+            for i in ended:
+                result = results[ids[i]]
+                if result.error:
+                    yield error_of(result)
+                    return
+                pending.discard(i)
+                yield Done(i, result)
+            if pending and self.clock() > record.deadline + OUTCOME_GRACE_S:
+                yield DeadlineExceeded("no complete output before the deadline")
+                return
+            block = BLOCK_MS
+
+
+class _Text:
+    """The journal of a call's choices read on from where its client is: each piece's part it lacks."""
+
+    def __init__(self, journal: Journal, ids: Sequence[str], position: Position) -> None:
+        self.journal = journal
+        self.ids = ids
+        self.sent = [c.sent for c in position.choices]
+        self.after = {item_id: "0-0" for item_id in ids}  # the last journal entry read, per item
+        self.gap: set[int] = set()  # choices whose next piece the journal lost: their rest comes with their end
+
+    def read(self, choices: list[int], block_ms: int | None) -> Iterator[Delta]:
+        pieces = self.journal.read({self.ids[i]: self.after[self.ids[i]] for i in choices}, block_ms)
+        for i in choices:
+            for entry_id, offset, piece in pieces.get(self.ids[i], ()):
+                self.after[self.ids[i]] = entry_id
+                if offset > self.sent[i]:
+                    self.gap.add(i)
+                rest = "" if i in self.gap else text_after(self.sent[i], offset, piece)
+                if rest:
+                    self.sent[i] += len(rest)
+                    yield Delta(i, rest)

@@ -1,0 +1,60 @@
+"""A streamed call's events as server-sent events in OpenAI's chunk format, each with its SSE ``id``.
+
+One renderer for the stream a call starts (:mod:`webapp.openai_api`) and for a stream resumed from a client's
+``Last-Event-ID`` (:mod:`webapp.requests_api`): the id of each event is the client's position after it
+(:mod:`tasks.policy.stream_position`), and what was already sent at the starting position is not sent again,
+so a resumed stream continues the first one event for event.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from tasks.errors import BatchingError
+from tasks.gateway.calls import Delta, Done, Event
+from tasks.policy.stream_position import Position
+from tasks.schema import ItemResult
+from webapp.errors import OPENAI
+from webapp.openai_schema import Named, Streaming, chunk, usage_chunk
+
+
+def render(call: Named, chat: bool, streaming: Streaming, openings: Sequence[Any], choices: int,
+           events: Iterable[Event], position: Position,
+           on_error: Callable[[BatchingError], None] = lambda error: None) -> Iterator[str]:
+    """The events after ``position``: each unopened choice's opening (``openings[i]``: its role delta or the
+    prompt it echoes; None: it has none), then a chunk per Delta and a last chunk per Done (the rest of its
+    text, its finish_reason and log-probabilities), the usage chunk if asked for, and ``[DONE]``. An error ends
+    the stream with an error event (no id: it is not a position). ``choices``: each prompt's ``n``."""
+    done: dict[int, ItemResult] = {}
+    for index, opening in enumerate(openings):
+        if not position.choices[index].opened:
+            position = position.opened(index)
+            if opening is not None:
+                yield _event(chunk(call, chat, opening, None, streaming, index), position)
+    for event in events:
+        if isinstance(event, Delta):
+            if position.choices[event.index].finished:
+                continue
+            position = position.advanced(event.index, len(event.text))
+            yield _event(chunk(call, chat, event.text, None, streaming, event.index), position)
+        elif isinstance(event, Done):
+            done[event.index] = event.result
+            had = position.choices[event.index]
+            if had.finished:
+                continue
+            output = event.result.output
+            position = position.finished(event.index, len(output["text"]))
+            yield _event(chunk(call, chat, output["text"][had.sent:], output["finish_reason"], streaming,
+                               event.index, output), position)
+        else:
+            on_error(event)
+            yield f"data: {json.dumps(OPENAI.body(event.status, event.type, event.message, call.request_id))}\n\n"
+    if streaming.include_usage and not position.usage_sent and len(done) == len(openings):
+        position = position.with_usage()
+        yield _event(usage_chunk(call, chat, tuple(done[i] for i in sorted(done)), choices), position)
+    yield "data: [DONE]\n\n"
+
+
+def _event(payload: dict[str, Any], position: Position) -> str:
+    return f"id: {position}\ndata: {json.dumps(payload)}\n\n"
