@@ -57,6 +57,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     from gpu_worker.runner import BatchRunner
     from gpu_worker.supervisor import CANNOT_START, DEVICE_TAKEN
     from gpu_worker.worker_state import WorkerState, measure_full_batch
+    from tasks import tracing
     from tasks.broker.celery_app import make_celery, register_run_batch
     from tasks.broker.queues import recovery_queue
     from tasks.config import Settings
@@ -73,6 +74,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
 
     settings = Settings.from_env()
     setup_logging(settings)
+    tracing.setup("llmb-worker")
     queue = queue or settings.gpu_queue(host, device)
     worker_id = f"gpu{device}@{host}"
     client = redis_client(settings, socket_timeout=5, socket_connect_timeout=2)

@@ -24,6 +24,7 @@ from celery.exceptions import Reject
 from gpu_worker.backends import Backend, Hooks, ItemError
 from gpu_worker.device_slots import Device, Held
 from gpu_worker.worker_state import WorkerState
+from tasks import tracing
 from tasks.schema import Batch, BatchEvent, BatchItem, Failure, ItemResult
 from tasks.state.claims import Claims, Verdict
 from tasks.state.results import ResultWriter
@@ -195,6 +196,7 @@ class BatchRunner:
 
         if self._until_settled(batch, write) is None:  # Redis was away past every deadline: nobody waits now
             return {**summary, "run_ms": round(run_ms, 1), "unwritten": len(live)}
+        tracing.run_spans(batch, live, self.worker_id, started_at, started_at + run_ms / 1000, self.state.clock())
         rejected = [i for i, o in zip(live, outputs) if isinstance(o, ItemError)]
         if rejected:  # recorded first: the batch's "ok" below does not override a final status
             self.record(ItemsOutcome(batch.model, rejected, "rejected", "the model could not take this input",
@@ -204,7 +206,8 @@ class BatchRunner:
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at,
                                  self.state.clock(), round(run_ms, 3), counted or None))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
-                 extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1)})
+                 extra={"batch_id": batch.id, "size": len(live), "run_ms": round(run_ms, 1),
+                        "trace_id": tracing.trace_id(batch.trace)})
         return {**summary, "run_ms": round(run_ms, 1), **({"tokens_by_tenant": by_tenant} if by_tenant else {})}
 
     def _hooks(self, live: tuple[BatchItem, ...], batch_id: str, started_at: float, t0: float,

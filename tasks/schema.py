@@ -59,6 +59,7 @@ class InferenceRequest:
     params: dict[str, Any] = field(default_factory=dict)  # model parameters (max_tokens, temperature, ...)
     weight: float = 1.0  # the tenant's share when tenants compete for batch slots
     priority: Priority = Priority.INTERACTIVE
+    trace: str | None = None  # the W3C traceparent of its call's span (tracing on: tasks.tracing)
 
     def to_dict(self) -> dict[str, Any]:
         # by hand rather than dataclasses.asdict, whose deep copies cost more than the rest of the encoding
@@ -76,6 +77,7 @@ class InferenceRequest:
                 accepted_at=float(d["accepted_at"]), deadline=float(d["deadline"]), reply_to=str(d["reply_to"]),
                 params=dict(d.get("params") or {}), weight=float(d.get("weight", 1.0)),
                 priority=Priority(d.get("priority", Priority.INTERACTIVE)),
+                trace=d.get("trace") if isinstance(d.get("trace"), str) else None,
             )
         except (KeyError, TypeError) as exc:
             raise ValueError(f"malformed request message: {exc!r}") from None
@@ -96,6 +98,7 @@ class BatchItem:
     params: dict[str, Any] = field(default_factory=dict)
     died_on: tuple[str, ...] = ()  # workers that died (or vanished) while running a batch holding this item
     priority: Priority = Priority.INTERACTIVE  # its call's class, kept so the ledger (and a replay) knows it
+    trace: str | None = None  # its call's traceparent (tracing on)
 
 
 class Failure(StrEnum):
@@ -117,6 +120,7 @@ class Batch:
     created_at: float
     parent_id: str | None = None  # the failed batch this one was split from or re-dispatched for
     attempt: int = 0  # failures in its ancestry: 0 for a batch of fresh requests
+    trace: str | None = None  # the traceparent of its llmb.batch span (tracing on, a member sampled)
 
     def to_dict(self) -> dict[str, Any]:
         # by hand, as InferenceRequest's
@@ -129,7 +133,7 @@ class Batch:
             items=tuple(BatchItem(**{**i, "died_on": tuple(i.get("died_on") or ()),
                                      "priority": Priority(i.get("priority", Priority.INTERACTIVE))})
                         for i in d["items"]),
-            parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)),
+            parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)), trace=d.get("trace"),
         )
 
     def with_items(self, items: tuple[BatchItem, ...]) -> Batch:

@@ -204,10 +204,19 @@ def test_streams_replay_finished_409_while_running_and_abandoned_ones_run_again(
     assert {c.id for c in replay} == {head.id} and replay[-1].choices[0].finish_reason == "length"
     assert ran(keyed, before) == 1
 
-    # a stream whose caller goes away (and does not resume it within LLMB_STREAM_RESUME_MS, 10 s by default) is
-    # cancelled and forgotten: the same key runs it again
-    gone = uuid.uuid4().hex
-    abandoned = client.completions.create(**{**args, "extra_headers": {"Idempotency-Key": gone}})
+    # a stream whose caller goes away and does not resume it within LLMB_STREAM_RESUME_MS (10 s by default):
+    # finished by then, it ran, and its key answers a retry with it...
+    done_key = uuid.uuid4().hex
+    left = client.completions.create(**{**args, "extra_headers": {"Idempotency-Key": done_key}})
+    next(iter(left))
+    left.close()
+    wait_for(lambda: keyed.inflight() == 0, 10 + 15, "the left stream's item released once the window passed")
+    before = keyed.items_done()
+    again = list(client.completions.create(**{**args, "extra_headers": {"Idempotency-Key": done_key}}))
+    assert "".join(c.choices[0].text for c in again) == text and ran(keyed, before) == 0
+    # ... still running then, it is cancelled and forgotten: the same key runs it again
+    gone, long = uuid.uuid4().hex, {**args, "max_tokens": 1000}  # 1000 steps of 11 ms: past the window
+    abandoned = client.completions.create(**{**long, "extra_headers": {"Idempotency-Key": gone}})
     next(iter(abandoned))
     abandoned.close()
     wait_for(lambda: not keyed.redis.exists(idem_key(keyed, "team-a", gone)), 10 + 15,

@@ -205,3 +205,29 @@ def test_a_dropped_stream_is_cancelled_after_the_resume_window_unless_its_client
 
     wait_for(cancelled, 15, "the abandoned stream's cancellation")
     assert not set(mine) & heard
+
+
+def test_a_batch_run_again_or_a_lost_piece_never_repeats_or_skips_text() -> None:
+    from tasks.gateway.calls import Delta, Done
+    from tasks.schema import ItemResult
+    from webapp.openai_schema import Streaming
+    from webapp.sse import render
+
+    @dataclass
+    class Named:
+        request_id: str = "r"
+        model: str = "m"
+
+    def run(events: list[Any]) -> tuple[str, list[str]]:
+        out = list(render(Named(), True, Streaming(), [{"role": "assistant", "content": ""}], 1, events,
+                          Position.start(1)))
+        got = [Event(e.split("\n")[0][4:], e.split("data: ")[1].strip()) for e in out[:-1]]
+        return text_of(got), [e.id or "" for e in got]
+
+    done = Done(0, ItemResult(output={"text": "Hello world", "finish_reason": "stop"}))
+    # the worker was lost after "Hello ": the batch runs again elsewhere and streams its text from the start
+    rerun = [Delta(0, "Hello ", 0), Delta(0, "Hello ", 0), Delta(0, "wor", 6), Delta(0, "ld", 9), done]
+    assert run(rerun) == ("Hello world", ["0", "6", "9", "11", "11f"])
+    # a piece lost on the way (a pub/sub message missed): the rest of the text comes with the last chunk
+    lost = [Delta(0, "Hello ", 0), Delta(0, "ld", 9), done]
+    assert run(lost) == ("Hello world", ["0", "6", "11f"])

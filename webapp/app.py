@@ -13,6 +13,7 @@ from dataclasses import replace
 from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from tasks import tracing
 from tasks.config import Settings
 from tasks.gateway.calls import Answer
 from tasks.logs import setup_logging
@@ -33,6 +34,7 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     setup_logging(settings)
+    tracing.setup("llmb-api")  # off unless OTEL_TRACES_EXPORTER names an exporter
     app = Flask(__name__, static_folder=None)  # no static files: every route is an API route
     app.config["MAX_CONTENT_LENGTH"] = settings.admission.max_body_bytes
     built = Services.from_settings(settings)  # the process's one set of clients, for every route
@@ -45,6 +47,14 @@ def create_app(settings: Settings | None = None) -> Flask:
     def _correlate() -> None:
         g.request_id = request_id_from(request.headers.get("X-Request-Id"))
         g.started = request.environ.get("llmb.arrived_at") or time.monotonic()  # the accept, under a burst
+        if tracing.enabled() and is_inference(request.path):  # the call's span: the caller's traceparent its parent
+            g.span = tracing.start("llmb.call", request.headers.get("traceparent"), server=True, attributes={
+                "http.request.method": request.method, "url.path": request.path, "llmb.request_id": g.request_id})
+            g.trace = tracing.traceparent_of(g.span) if g.span is not None else None
+
+    @app.teardown_request
+    def _end_span(error: BaseException | None) -> None:  # a stream's at its end (stream_with_context)
+        tracing.end(g.pop("span", None), error)
 
     @app.after_request
     def _account(response: Response) -> Response:
@@ -53,6 +63,8 @@ def create_app(settings: Settings | None = None) -> Flask:
             response.headers["Idempotent-Replayed"] = "true"
         if is_inference(request.path):
             log_outcome(response)
+            if g.get("span") is not None:
+                g.span.set_attribute("http.response.status_code", response.status_code)
         return response
 
     register_error_handlers(app)
@@ -94,7 +106,8 @@ def log_outcome(response: Response) -> None:
     log.info("request %s -> %d%s in %.1f ms%s", g.get("request_id"), response.status_code,
              f" {error_type}" if error_type else "", elapsed * 1000, f" batch {batches}" if batches else "",
              extra={"request_id": g.get("request_id"), "status": response.status_code, "error": error_type or None,
-                    "batch_id": batches or None, "total_ms": round(elapsed * 1000, 1)})
+                    "batch_id": batches or None, "total_ms": round(elapsed * 1000, 1),
+                    "trace_id": tracing.trace_id(g.get("trace"))})
 
 
 @tenancy.authenticated

@@ -68,7 +68,7 @@ def get_request(request_id: str) -> Response:
 @bp.get("/v1/requests/<request_id>/stream")
 @tenancy.authenticated
 def resume_stream(request_id: str) -> Response:
-    last = request.headers.get("Last-Event-ID", request.args.get("last_event_id"))
+    last = request.headers.get("Last-Event-ID") or request.args.get("last_event_id") or None  # "": from the start
     resumed = services().gateway.resume(_tenant(), request_id, last) if REQUEST_ID.match(request_id) else None
     if resumed is None:
         raise _not_found(request_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from dataclasses import dataclass
 
@@ -18,6 +19,7 @@ from tasks.policy.shedding import Door
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, TENANT_REFUSALS, SystemCollector
 from tasks.store.directory import TenantDirectory
 from tasks.store.tenants import KeyStore
+from tasks.store.ttl_cache import LookupCache
 from webapp.door import door_from_settings
 
 EXTENSION = "llmb"  # the one key in app.extensions
@@ -76,10 +78,12 @@ def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPub
         except Exception:  # RabbitMQ away: leave the gauge out of this scrape
             return None
 
+    known = LookupCache[list[str]]("tenant list", 30.0, time.monotonic, 1)  # a scrape reads the table twice a minute
+
     def tenants() -> list[str]:
         try:
-            return [t.name for t in keys.list_tenants()]
-        except Exception:  # the database away: the tenants' gauges are left out of this scrape
+            return known.get("all", lambda: [t.name for t in keys.list_tenants()]) or []
+        except Exception:  # the database away, never read: the tenants' gauges are left out of this scrape
             return []
 
     registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth, gateway.clock, tenants))

@@ -13,7 +13,7 @@ from typing import Any
 
 from tasks.errors import BatchingError
 from tasks.gateway.calls import Delta, Done, Event
-from tasks.policy.stream_position import Position
+from tasks.policy.stream_position import Position, text_after
 from tasks.schema import ItemResult
 from webapp.errors import OPENAI
 from webapp.openai_schema import Named, Streaming, chunk, usage_chunk
@@ -27,6 +27,7 @@ def render(call: Named, chat: bool, streaming: Streaming, openings: Sequence[Any
     text, its finish_reason and log-probabilities), the usage chunk if asked for, and ``[DONE]``. An error ends
     the stream with an error event (no id: it is not a position). ``choices``: each prompt's ``n``."""
     done: dict[int, ItemResult] = {}
+    gap: set[int] = set()  # choices a piece of whose text was lost: the rest of it comes with their last chunk
     for index, opening in enumerate(openings):
         if not position.choices[index].opened:
             position = position.opened(index)
@@ -34,10 +35,19 @@ def render(call: Named, chat: bool, streaming: Streaming, openings: Sequence[Any
                 yield _event(chunk(call, chat, opening, None, streaming, index), position)
     for event in events:
         if isinstance(event, Delta):
-            if position.choices[event.index].finished:
+            had = position.choices[event.index]
+            if had.finished or event.index in gap:
                 continue
-            position = position.advanced(event.index, len(event.text))
-            yield _event(chunk(call, chat, event.text, None, streaming, event.index), position)
+            if event.offset > had.sent:  # a piece before this one never came (a lost message)
+                gap.add(event.index)
+                continue
+            # a batch run again (its worker lost, or split) streams its text again from the start: only what the
+            # client lacks goes out
+            text = event.text if event.offset < 0 else text_after(had.sent, event.offset, event.text)
+            if not text:
+                continue
+            position = position.advanced(event.index, len(text))
+            yield _event(chunk(call, chat, text, None, streaming, event.index), position)
         elif isinstance(event, Done):
             done[event.index] = event.result
             had = position.choices[event.index]

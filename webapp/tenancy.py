@@ -7,6 +7,7 @@ errors (401, 403) are rendered by the app's one error responder.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from functools import wraps
 from typing import ParamSpec, TypeVar
 
@@ -57,7 +58,9 @@ def bind_caller(call: Call, claimed_tenant: str | None) -> Call:
     principal: Principal | None = g.principal
     if principal is None:
         principal = g.principal = Principal(tenant=services().tenants.policy(call.tenant), key_id="", admin=False)
-    return bind(call, principal, services().settings, claimed_tenant=claimed_tenant, received_at=g.started)
+    bound = bind(call, principal, services().settings, claimed_tenant=claimed_tenant, received_at=g.started)
+    trace = g.get("trace")  # its llmb.call span (tracing on): the gateway's, batcher's and worker's spans nest in it
+    return bound if trace is None else replace(bound, trace=trace)
 
 
 def admin() -> Principal:

@@ -21,6 +21,7 @@ import redis
 from celery import Celery, bootsteps, signals
 from kombu import Consumer, Message, Queue
 
+from tasks import tracing
 from tasks.broker.celery_app import RUN_BATCH, make_celery, settings_of
 from tasks.broker.queues import RETRY_POLICY, fleet_exchange, recovery_queue, request_queue, requests_of
 from tasks.broker.recovery import Recovery
@@ -67,7 +68,8 @@ class BatchingStep(bootsteps.ConsumerStep):
                                                s.batcher.adaptive_max_wait_s),
                                quantum=s.batcher.fair_quantum, offline_wait_s=s.batcher.offline_max_wait_s,
                                on_dropped=self._on_dropped, wallclock=self.clock,
-                               prefix_routing=s.batcher.prefix_routing, prefix_wait_s=s.batcher.prefix_wait_s)
+                               prefix_routing=s.batcher.prefix_routing, prefix_wait_s=s.batcher.prefix_wait_s,
+                               stamp=tracing.stamp_batch if tracing.enabled() else None)
         quarantine = Quarantine.from_settings(s, client)
         self.admission = Admission.from_settings(s, client)  # reaps what lost API processes had admitted
         self.quarantine_sync = QuarantineSync(quarantine, self.ledger.ledger)  # the ledger is the durable copy
@@ -215,6 +217,7 @@ def main(hostname: str | None) -> None:
     hostname = hostname or f"batcher-{os.getpid()}@{socket.gethostname()}"
     settings = Settings.from_env()
     setup_logging(settings)
+    tracing.setup("llmb-batcher")
     app = make_celery(settings)
     app.steps["consumer"].add(BatchingStep)
     signals.worker_ready.connect(lambda **_: settle(), weak=False)  # started: out of the collector's full passes

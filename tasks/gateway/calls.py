@@ -26,6 +26,7 @@ class Call:
     priority: Priority = Priority.INTERACTIVE
     tenant_cap: int | None = None  # the tenant's in-flight cap (None: only the global caps)
     received_at: float | None = None  # when it reached this host (monotonic): its deadline counts from then
+    trace: str | None = None  # W3C traceparent: the caller's, then (in the gateway) its own llmb.call span's
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,12 @@ class Lookup:
 
 @dataclass(frozen=True)
 class Delta:
-    """Streamed text of one item of a call (``index``: its position in the call's inputs)."""
+    """Streamed text of one item of a call (``index``: its position in the call's inputs; ``offset``: where the
+    text starts in the item's whole text, -1 if unknown)."""
 
     index: int
     text: str
+    offset: int = -1
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import replace
 from functools import partial
@@ -18,11 +18,12 @@ from typing import TypeVar
 
 import redis
 
+from tasks import tracing
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
 from tasks.errors import BatchingError, IdempotencyConflict, InvalidInput, NotResumable, QueueFull, Unavailable
 from tasks.gateway import readiness
-from tasks.gateway.calls import Answer, Call, Events, Lookup, Resumed
+from tasks.gateway.calls import Answer, Call, Delta, Done, Event, Events, Lookup, Resumed
 from tasks.gateway.gate import NO_GATE, Gate, Turn
 from tasks.gateway.idempotency import Replays, replayed
 from tasks.gateway.lease import Lease
@@ -121,10 +122,31 @@ class Gateway:
         Every admitted call is recorded (its items, ``shape``, outcome) for ``GET /v1/requests/<id>``. With
         ``idempotency``, a call whose key already names an earlier call of the tenant is not run: it waits for
         that call (within its own deadline) and gets its answer, or IdempotencyConflict if the body differs."""
+        if call.trace is not None:
+            return self._traced_submit(call, shape, idempotency)
         entered = self._enter(call, shape or Shape(), idempotency, follow=True)
         if isinstance(entered, Answer):
             return entered
         return self.waiting.answer(call, entered)
+
+    def _traced_submit(self, call: Call, shape: Shape | None, idempotency: Idempotency | None) -> Answer:
+        """:meth:`submit` with its ``llmb.admit`` and ``llmb.wait`` spans (``call.trace``: its llmb.call span)."""
+        started = time.time()
+        try:
+            entered = self._enter(call, shape or Shape(), idempotency, follow=True)
+        finally:
+            tracing.record("llmb.admit", call.trace, started, time.time())
+        if isinstance(entered, Answer):
+            return entered
+        wait = tracing.start("llmb.wait", call.trace)
+        error: BaseException | None = None
+        try:
+            return self.waiting.answer(call, entered)
+        except BaseException as exc:
+            error = exc
+            raise
+        finally:
+            tracing.end(wait, error)
 
     def stream(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Events:
         """Admit and publish a call now (so refusals raise here), then return its events (:class:`Event`): each
@@ -136,10 +158,16 @@ class Gateway:
         An idempotent retry of a finished stream gets the first call's results, each as one Done; of a stream
         still running, IdempotencyInProgress (409): its text went to the first caller."""
         call = replace(call, params={**call.params, "stream": True})
-        entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
+        started = time.time()
+        try:
+            entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
+        finally:
+            if call.trace is not None:
+                tracing.record("llmb.admit", call.trace, started, time.time())
         if isinstance(entered, Answer):
             return Events(entered.request_id, replayed(entered.results), replayed=True)
-        return Events(call.request_id, self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered))
+        events = self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered)
+        return Events(call.request_id, events if call.trace is None else _traced(events, call.trace))
 
     def resume(self, tenant: str, request_id: str, last_event_id: str | None) -> Resumed | None:
         """The tenant's streamed call of this id again, after the event ``last_event_id`` names (None: from the
@@ -408,3 +436,21 @@ class Gateway:
             self.replays.forget(joining.prepared.record, None)
         if waiter is not None:
             self.listener.forget(ids, waiter)
+
+
+def _traced(events: Generator[Event, None, None], parent: str) -> Generator[Event, None, None]:
+    """A stream's events inside its ``llmb.wait`` span: an event at its first token, ended with the stream."""
+    wait = tracing.start("llmb.wait", parent)
+    error: BaseException | None = None
+    first = True
+    try:
+        for event in events:
+            if first and isinstance(event, Delta | Done):
+                tracing.event(wait, "first_token")
+                first = False
+            elif isinstance(event, BatchingError):
+                error = event
+            yield event
+    finally:
+        events.close()
+        tracing.end(wait, error)

@@ -42,7 +42,7 @@ def request_of(call: Call, shape: Shape, accepted_at: float, remaining_s: float,
     request = InferenceRequest(
         id=call.request_id, tenant=call.tenant, model=call.model, items=items,
         accepted_at=accepted_at, deadline=accepted_at + remaining_s, reply_to=reply_to,
-        params=call.params, weight=call.weight, priority=call.priority,
+        params=call.params, weight=call.weight, priority=call.priority, trace=call.trace,
     )
     record = Record(request_id=call.request_id, tenant=call.tenant, model=call.model,
                     items=tuple(i.id for i in items), accepted_at=accepted_at, deadline=request.deadline,

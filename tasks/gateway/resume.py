@@ -10,17 +10,21 @@ stream did; a finished choice's Done comes too (the usage chunk counts it), and 
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator, Sequence
+
+import redis
 
 from tasks.errors import DeadlineExceeded
 from tasks.gateway.calls import Delta, Done, Event
+from tasks.gateway.links import redis_refusal
 from tasks.policy.refusal import error_of
 from tasks.policy.stream_position import Position, text_after
 from tasks.state.journal import Journal
 from tasks.state.records import OUTCOME_GRACE_S, Record
 from tasks.state.results import ResultListener
 
-BLOCK_MS = 250  # a resumed stream waits this long for the next piece before it reads the results again
+POLL_S = 0.05  # a resumed stream with nothing new reads the journal and results again after this long
 
 
 class Resumer:
@@ -31,7 +35,13 @@ class Resumer:
 
     def events(self, record: Record, position: Position) -> Iterator[Event]:
         """What the client at ``position`` lacks of the call's choices (their text, then each one's Done), or
-        an error that ends the stream (an item's own, or the call's deadline passing first)."""
+        an error that ends the stream (an item's own, the call's deadline passing first, Redis away: 503)."""
+        try:
+            yield from self._events(record, position)
+        except redis.RedisError as exc:
+            yield redis_refusal(exc, " while resuming the stream", busy_is_overload=False)
+
+    def _events(self, record: Record, position: Position) -> Iterator[Event]:
         ids = record.items
         pending = {i for i, c in enumerate(position.choices) if not c.finished}
         finished = self.listener.fetch([ids[i] for i in range(len(ids)) if i not in pending])
@@ -39,13 +49,15 @@ class Resumer:
             if ids[i] in finished:
                 yield Done(i, finished[ids[i]])
         text = _Text(self.journal, ids, position)
-        block: int | None = None
         while pending:
-            yield from text.read(sorted(pending), block)
+            # polled, not a blocking XREAD: a resumed stream holds a connection of the process's shared pool
+            # only for a round trip
+            fresh = list(text.read(sorted(pending)))
+            yield from fresh
             results = self.listener.fetch([ids[i] for i in sorted(pending)])
             ended = [i for i in sorted(pending) if ids[i] in results]
             if ended:  # a worker journals an item's text before it writes its result: read the last pieces
-                yield from text.read(ended, None)
+                yield from text.read(ended)
             for i in ended:
                 result = results[ids[i]]
                 if result.error:
@@ -56,7 +68,8 @@ class Resumer:
             if pending and self.clock() > record.deadline + OUTCOME_GRACE_S:
                 yield DeadlineExceeded("no complete output before the deadline")
                 return
-            block = BLOCK_MS
+            if pending and not fresh:
+                time.sleep(POLL_S)  # a greenlet's sleep under gevent
 
 
 class _Text:
@@ -69,8 +82,8 @@ class _Text:
         self.after = {item_id: "0-0" for item_id in ids}  # the last journal entry read, per item
         self.gap: set[int] = set()  # choices whose next piece the journal lost: their rest comes with their end
 
-    def read(self, choices: list[int], block_ms: int | None) -> Iterator[Delta]:
-        pieces = self.journal.read({self.ids[i]: self.after[self.ids[i]] for i in choices}, block_ms)
+    def read(self, choices: list[int]) -> Iterator[Delta]:
+        pieces = self.journal.read({self.ids[i]: self.after[self.ids[i]] for i in choices})
         for i in choices:
             for entry_id, offset, piece in pieces.get(self.ids[i], ()):
                 self.after[self.ids[i]] = entry_id
@@ -78,5 +91,5 @@ class _Text:
                     self.gap.add(i)
                 rest = "" if i in self.gap else text_after(self.sent[i], offset, piece)
                 if rest:
+                    yield Delta(i, rest, self.sent[i])
                     self.sent[i] += len(rest)
-                    yield Delta(i, rest)

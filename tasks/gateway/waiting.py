@@ -134,7 +134,7 @@ class Waiting:
             for kind, item_id, value in self.listener.stream(entered.ids, entered.deadline, self._reader(ticket),
                                                              waiter=entered.waiter):
                 if kind == "delta":
-                    yield Delta(index[item_id], value)
+                    yield Delta(index[item_id], *value)
                 elif kind == "done" and not value.error:
                     results[item_id] = value
                     if len(results) == len(entered.ids):
@@ -153,28 +153,58 @@ class Waiting:
             yield redis_refusal(exc, " while streaming", busy_is_overload=False)
         finally:
             unfinished = [i for i in entered.ids if i not in results]
-            if not settled and self.resume_s > 0 and self.journal is not None:
-                timer = threading.Timer(self.resume_s, self._abandon, (ticket, entered, unfinished))
-                timer.daemon = True
-                timer.start()
-            else:
+            if settled or not self._later(ticket, entered, unfinished):
                 self._abandon(ticket, entered, unfinished, settled)
 
-    def _abandon(self, ticket: Ticket, entered: Entered, unfinished: list[str], settled: bool = False) -> None:
-        """A stream's client went away (or its call ended in an error): unless it came back for the stream,
-        forget the call (before its generation stops: a retry must not find a cancelled output) and cancel what
-        is unfinished."""
+    def _later(self, ticket: Ticket, entered: Entered, unfinished: list[str]) -> bool:
+        """Look at a stream its client left again in ``resume_s`` (the client may resume it meanwhile); False:
+        now (no window, or no timer could be started)."""
+        if self.resume_s <= 0 or self.journal is None:
+            return False
+        try:
+            timer = threading.Timer(self.resume_s, self._left, (ticket, entered, unfinished))
+            timer.daemon = True
+            timer.start()
+        except RuntimeError:  # no thread (or greenlet) to be had: cancel at once rather than never
+            return False
+        return True
+
+    def _left(self, ticket: Ticket, entered: Entered, unfinished: list[str]) -> None:
+        """``resume_s`` after a stream's client left: the items that finished meanwhile are released (and, if all
+        did, the call's outcome recorded: it ran, so a retry of its key gets it); if the client came back, the
+        rest run on and are looked at again in ``resume_s``, until their deadline; if not, the call is
+        forgotten and the rest cancelled (:meth:`_abandon`)."""
         record = entered.record
         try:
-            if not settled and self.journal is not None and self.journal.resumed(record.tenant, record.request_id):
-                log.info("the client of stream %s came back for it", record.request_id)
-                return  # it runs on, its admission held to its deadline
-            if not settled:
-                log.info("the client of stream %s went away: cancelling %d item(s)", record.request_id,
-                         len(unfinished))
-                self.replays.forget(record, entered.idempotency)
+            found = self.listener.fetch(unfinished)
+            self.release(ticket, [i for i in unfinished if i in found])
+            rest = [i for i in unfinished if i not in found]
+            if not rest:
+                results = self.listener.fetch(entered.ids)
+                if len(results) == len(entered.ids):
+                    failed = next((r for r in results.values() if r.error), None)
+                    self._settle(entered, None if failed is None else error_of(failed),
+                                 results=tuple(results[i] for i in entered.ids))
+                    return
+            assert self.journal is not None
+            if self.journal.resumed(record.tenant, record.request_id):
+                if rest and time.monotonic() < entered.deadline and self._later(ticket, entered, rest):
+                    return  # its client came back: it runs on
+                self.release(ticket, rest)
+                return
         except redis.RedisError as exc:
-            log.warning("could not settle the stream of request %s its client left: %s", record.request_id, exc)
+            log.warning("could not look at the stream of request %s its client left: %s", record.request_id, exc)
+            rest = unfinished
+        self._abandon(ticket, entered, rest)
+
+    def _abandon(self, ticket: Ticket, entered: Entered, unfinished: list[str], settled: bool = False) -> None:
+        """A stream's call ended in an error (``settled``), or its client went away and did not come back: the
+        call is forgotten (before its generation stops: a retry must not find a cancelled output) and what is
+        unfinished cancelled."""
+        record = entered.record
+        if not settled:
+            log.info("the client of stream %s went away: cancelling %d item(s)", record.request_id, len(unfinished))
+            self.replays.forget(record, entered.idempotency)
         if unfinished:
             self.cancel(unfinished)
             self.release(ticket, unfinished)

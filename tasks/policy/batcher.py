@@ -80,6 +80,7 @@ class Batcher:
         wallclock: Callable[[], float] = time.time,
         prefix_routing: bool = True,
         prefix_wait_s: float = 1.0,
+        stamp: Callable[[Batch, list[float]], Batch] | None = None,
     ) -> None:
         self.policy = policy
         self.max_retries = max_retries
@@ -92,6 +93,9 @@ class Batcher:
         self.prefixes = PrefixIndex()  # which prompt starts each worker's cache holds (prefix-aware routing)
         self.prefix_routing = prefix_routing
         self.prefix_wait_s = prefix_wait_s
+        # Marks a batch before it is sent, given when each item reached this batcher (epoch): tracing's spans
+        # (tasks.broker.consumer); None: sent as formed.
+        self.stamp = stamp
         self.wait = wait or WaitPolicy(mode="fixed", fixed_s=policy.max_wait_s)
         self.quantum = quantum
         self.offline_wait_s = offline_wait_s
@@ -136,7 +140,8 @@ class Batcher:
             entry = _Entry(
                 BatchItem(id=item.id, request_id=request.id, input=item.input, deadline=request.deadline,
                           accepted_at=request.accepted_at, reply_to=request.reply_to, tenant=request.tenant,
-                          params=choice_params(request.params, index), priority=request.priority),
+                          params=choice_params(request.params, index), priority=request.priority,
+                          trace=request.trace),
                 delivery,
             )
             buffer.add(entry, now=now, deadline=request.deadline + offset, tenant=request.tenant,
@@ -311,6 +316,9 @@ class Batcher:
     def _send_items(self, model: str, items: list[Waiting[_Entry]], worker: WorkerInfo) -> bool:
         """Send these buffered items as one batch; resolve them once it is handed on."""
         batch = self._batch(model, items)
+        if self.stamp is not None:
+            offset = self.clock() - self.wallclock()
+            batch = self.stamp(batch, [p.arrived - offset for p in items])
         if not self._send(batch, worker):
             return False
         for p in items:

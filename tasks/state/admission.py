@@ -225,6 +225,13 @@ class Admission:
     def tenant_in_flight(self, tenant: str, now: float) -> int:
         return int(self.client.zcount(self.tenant_key(tenant), now, "+inf"))
 
+    def tenants_in_flight(self, tenants: list[str], now: float) -> list[int]:
+        """:meth:`tenant_in_flight` of many tenants in one round trip."""
+        pipe = self.client.pipeline(transaction=False)
+        for tenant in tenants:
+            pipe.zcount(self.tenant_key(tenant), now, "+inf")
+        return [int(n) for n in pipe.execute()]
+
     def oldest_arrival(self) -> float | None:
         """Arrival time (epoch) of the oldest admitted, unanswered item, if any."""
         oldest = self.client.zrange(self.arrivals_key, 0, 0, withscores=True)

@@ -5,7 +5,7 @@ keeps nothing: if that process dies, or its client's connection does, the text i
 is also appended to a Redis stream per item, ``<ns>:journal:<item id>`` (:class:`Journal`), with the offset in
 the item's text where it starts; a resumed stream (:mod:`tasks.gateway.resume`) reads it from the start and
 sends what its client lacks, then the item's result. The journal expires with the results
-(``LLMB_RESULT_TTL_S`` from its first piece) and holds at most :data:`MAX_ENTRIES` pieces (trimmed oldest
+(``LLMB_RESULT_TTL_S`` after its last piece) and holds at most :data:`MAX_ENTRIES` pieces (trimmed oldest
 first): a resumed client whose position was trimmed away gets the rest of its text from the result when the
 item ends. Whether a client came back is marked under ``<ns>:resumed:<tenant>:<request id>``: the API process
 its client left waits that long before it cancels the generation.
@@ -33,15 +33,13 @@ class Journal:
         """Add a piece to a pipeline (the worker's, with the pub/sub message that streams it)."""
         key = self.keys.journal(item_id)
         pipe.xadd(key, {"o": offset, "t": text}, maxlen=MAX_ENTRIES, approximate=True)
-        if offset == 0:  # its first piece (or a retry's): the journal lives as long as a result
-            pipe.expire(key, self.ttl_s)
+        pipe.expire(key, self.ttl_s)  # each time: a journal outlives its last piece by a result's lifetime
 
-    def read(self, after: dict[str, str], block_ms: int | None = None) -> dict[str, list[Piece]]:
-        """The pieces of these items after the stream entry ids given (``"0-0"``: from the start), waiting up to
-        ``block_ms`` for one if there are none yet (None: not at all)."""
+    def read(self, after: dict[str, str]) -> dict[str, list[Piece]]:
+        """The pieces of these items after the stream entry ids given (``"0-0"``: from the start)."""
         streams = {self.keys.journal(item_id): last for item_id, last in after.items()}
         item_of = {self.keys.journal(item_id): item_id for item_id in after}
-        found: Any = self.client.xread(streams, block=block_ms)  # type: ignore[arg-type]
+        found: Any = self.client.xread(streams)  # type: ignore[arg-type]
         out: dict[str, list[Piece]] = {}
         for key, entries in found or ():
             name = key.decode() if isinstance(key, bytes) else key

@@ -23,6 +23,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 
 from tasks.config import Settings
+from tasks.policy.tenancy import TENANT_NAME
 from tasks.schema import WorkerInfo
 from tasks.state.admission import Admission
 from tasks.state.fleet import Fleet
@@ -49,6 +50,8 @@ _tenant_labels: set[str] = set()
 
 
 def count_refusal(tenant: str, error_type: str) -> None:
+    if not TENANT_NAME.fullmatch(tenant):  # refused before its name was checked: the caller's word is no label
+        tenant = "invalid"
     if tenant not in _tenant_labels:
         if len(_tenant_labels) >= MAX_TENANT_LABELS:
             tenant = "other"
@@ -139,7 +142,7 @@ class SystemCollector(Collector):
             live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
             models = model_report(self.admission, live, now, s.tenants.scale_headroom)
             names = sorted(set(self.tenants()) | {"default"})
-            by_tenant = {t: self.admission.tenant_in_flight(t, now) for t in names}
+            by_tenant = dict(zip(names, self.admission.tenants_in_flight(names, now)))
         except redis.RedisError:
             yield GaugeMetricFamily("llmb_redis_up", "Whether Redis answered this scrape.", value=0)
             return

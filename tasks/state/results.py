@@ -90,10 +90,10 @@ class ResultWriter:
     def stream(self, deltas: Iterable[tuple[BatchItem, int, str]]) -> None:
         """Stream text to waiting callers: (item, offset in its text, text), one PUBLISH per reply channel, each
         piece kept in the item's journal too (:mod:`tasks.state.journal`), all in one round trip."""
-        by_channel: dict[str, list[tuple[str, str]]] = defaultdict(list)
+        by_channel: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
         pipe = self.client.pipeline(transaction=False)
         for item, offset, text in deltas:
-            by_channel[item.reply_to].append((item.id, text))
+            by_channel[item.reply_to].append((item.id, text, offset))
             if self.journal is not None:
                 self.journal.append(pipe, item.id, offset, text)
         if by_channel:
@@ -110,7 +110,8 @@ class _Waiter:
 
     def __init__(self) -> None:
         self.event = threading.Event()
-        self.deltas: deque[tuple[str, str]] = deque()  # streamed (item id, text) not yet handed to the caller
+        # streamed (item id, text, offset in the item's text: -1 unknown) not yet handed to the caller
+        self.deltas: deque[tuple[str, str, int]] = deque()
         self.ready = False  # a result was announced: read the keys
 
 
@@ -194,8 +195,9 @@ class ResultListener:
 
     def stream(self, item_ids: Sequence[str], deadline: float, read: Read | None = None,
                waiter: _Waiter | None = None) -> Iterator[tuple[str, str, Any]]:
-        """Yield ("delta", item id, text) as the workers stream it and ("done", item id, ItemResult) as each item
-        finishes (after the last of its text), or ("timeout", "", None) once the deadline passes with items
+        """Yield ("delta", item id, (text, its offset in the item's text)) as the workers stream it and ("done",
+        item id, ItemResult) as each item finishes (after the last of its text), or ("timeout", "", None) once
+        the deadline passes with items
         unfinished. ``waiter``: the one :meth:`expect` gave before the request was published (so no text is
         missed). Text of an item that finished is not yielded again: its result holds it."""
         waiter = waiter or self.expect(item_ids)
@@ -208,18 +210,18 @@ class ResultListener:
                     waiter.event.wait(min(remaining, max(0.0, next_check - time.monotonic())))
                 waiter.event.clear()
                 while waiter.deltas:
-                    item_id, text = waiter.deltas.popleft()
+                    item_id, text, offset = waiter.deltas.popleft()
                     if item_id in pending:
-                        yield "delta", item_id, text
+                        yield "delta", item_id, (text, offset)
                 if waiter.ready or time.monotonic() >= next_check or remaining <= 0:
                     waiter.ready = False
                     next_check = time.monotonic() + self.recheck_s
                     found = self.fetch(pending, read)
                     if found:
                         while waiter.deltas:  # the text that came before the result, first
-                            item_id, text = waiter.deltas.popleft()
+                            item_id, text, offset = waiter.deltas.popleft()
                             if item_id in pending:
-                                yield "delta", item_id, text
+                                yield "delta", item_id, (text, offset)
                         for item_id in [i for i in pending if i in found]:
                             pending.remove(item_id)
                             self._forget(item_id, waiter)
@@ -253,10 +255,11 @@ class ResultListener:
                 waiter.ready = True
                 waiter.event.set()
 
-    def _deliver(self, pairs: list[list[str]]) -> None:
-        for item_id, text in pairs:
+    def _deliver(self, pieces: list[list[Any]]) -> None:
+        for piece in pieces:  # [item id, text, offset] ([item id, text] from a worker before offsets)
+            item_id, text, offset = str(piece[0]), str(piece[1]), int(piece[2]) if len(piece) > 2 else -1
             for waiter in self._waiters.get(item_id, ()):
-                waiter.deltas.append((item_id, text))
+                waiter.deltas.append((item_id, text, offset))
                 waiter.event.set()
 
     def _on_message(self, raw: bytes) -> None:

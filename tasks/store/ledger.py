@@ -34,6 +34,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, SQLAlchemyError, StatementError
 from sqlalchemy.orm import Session
 
+from tasks import tracing
 from tasks.config import Settings
 from tasks.schema import Batch, BatchItem, input_hash
 from tasks.store.models import Base, BatchRecord, BatchRequest, QuarantineRecord, RequestRecord, make_engine
@@ -203,7 +204,8 @@ class Ledger:
             "finished_at": ts(finished_at if finished_at is not None else now),
             "queued_ms": None if started_at is None else round((started_at - i.accepted_at) * 1000, 3),
             "run_ms": run_ms, "prompt_tokens": tokens[i.id][0] if i.id in tokens else None,
-            "completion_tokens": tokens[i.id][1] if i.id in tokens else None} for i in items]
+            "completion_tokens": tokens[i.id][1] if i.id in tokens else None,
+            "trace_id": tracing.trace_id(i.trace)} for i in items]
         return self._upsert(RequestRecord, rows, "id", keep_final_status=True)
 
     def _upsert(self, model: type[Base], rows: list[dict[str, Any]], key: str | tuple[str, ...],

@@ -86,6 +86,7 @@ class RequestRecord(Base):
     # generation: the tokens the worker counted (the same figures as the call's OpenAI usage)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    trace_id: Mapped[str | None] = mapped_column(StorableString(32))  # its call's OpenTelemetry trace (tracing on)
 
 
 class BatchRecord(Base):

@@ -1,0 +1,184 @@
+"""OpenTelemetry traces of each call's way through the processes: off unless ``OTEL_TRACES_EXPORTER`` names an
+exporter.
+
+A call crosses an API process, RabbitMQ, a batcher, a worker and Redis, and shares its batch with up to 99
+others, so the spans are:
+
+- API process: ``llmb.call`` (a server span, the child of the caller's W3C ``traceparent`` if it sent one), with
+  ``llmb.admit`` (its turn at the door, admission and the publish) and ``llmb.wait`` (until its results are read;
+  a stream's first token and end are events on it);
+- batcher: per item ``llmb.queued`` (from its admission until the batcher took its message) and ``llmb.buffered``
+  (until its batch was handed to a worker), children of its call; and one ``llmb.batch`` per batch, in a trace of
+  its own (a batch has many parents), with a link to each member call's span;
+- worker: per batch ``llmb.batch.run`` (the device run) and ``llmb.batch.write`` (results written), children of
+  ``llmb.batch``; per item ``llmb.run`` and ``llmb.write`` with the same times, children of its call and linked
+  to the batch, so one request's trace holds every hop.
+
+The call's context travels in the request message and each batch item (``trace``), the batch's in the batch
+message. Configuration is the SDK's standard variables: ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``,
+``none``: the default), ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (OTLP over
+HTTP), ``OTEL_TRACES_SAMPLER`` and its argument (``parentbased_always_on`` by default: a caller's sampled flag
+is honoured), ``OTEL_SERVICE_NAME`` (by default ``llmb-api``, ``llmb-batcher``, ``llmb-worker``),
+``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``. Off, every function here returns at its first line: nothing is
+imported from the SDK and nothing is allocated per call.
+"""
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, Tracer
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from tasks.schema import Batch, BatchItem
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+_tracer: Tracer | None = None
+
+
+def setup(service: str) -> None:
+    """Start tracing in this process if ``OTEL_TRACES_EXPORTER`` asks for it (call once, after any fork)."""
+    global _tracer
+    if _tracer is not None:
+        return
+    names = [n.strip() for n in os.environ.get("OTEL_TRACES_EXPORTER", "none").split(",") if n.strip()]
+    if not names or names == ["none"] or os.environ.get("OTEL_SDK_DISABLED", "").lower() == "true":
+        return
+    from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
+
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service)}))
+    for name in names:
+        exporter: SpanExporter
+        if name == "otlp":
+            from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+
+            exporter = OTLPSpanExporter()
+        elif name == "console":
+            exporter = ConsoleSpanExporter()
+        else:
+            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (otlp, console or none)")
+        provider.add_span_processor(BatchSpanProcessor(exporter))
+    _tracer = provider.get_tracer("llm-batcher")
+
+
+def enabled() -> bool:
+    return _tracer is not None
+
+
+def context_of(traceparent: str | None) -> Context | None:
+    """The context a W3C ``traceparent`` names (None: none, or not one)."""
+    if not traceparent:
+        return None
+    ctx = _PROPAGATOR.extract({"traceparent": traceparent})
+    return ctx if trace.get_current_span(ctx).get_span_context().is_valid else None
+
+
+def traceparent_of(span: Span) -> str | None:
+    """The W3C ``traceparent`` of a span, to carry in a message (None: the span is not valid)."""
+    context = span.get_span_context()
+    if not context.is_valid:
+        return None
+    return f"00-{context.trace_id:032x}-{context.span_id:016x}-{int(context.trace_flags):02x}"
+
+
+def trace_id(traceparent: str | None) -> str | None:
+    """The trace id (32 hex digits) a ``traceparent`` names, for logs and the ledger (None: none)."""
+    parts = (traceparent or "").split("-")
+    return parts[1] if len(parts) == 4 and len(parts[1]) == 32 else None
+
+
+def sampled(traceparent: str | None) -> bool:
+    """Whether a ``traceparent`` says its trace is sampled (spans of an unsampled one are not sent)."""
+    parts = (traceparent or "").split("-")
+    try:
+        return len(parts) == 4 and bool(int(parts[3], 16) & 1)
+    except ValueError:
+        return False
+
+
+def start(name: str, parent: str | None = None, *, server: bool = False,
+          attributes: dict[str, Any] | None = None) -> Span | None:
+    """Start a span that :func:`end` ends (not made current: a call's spans are parented explicitly, by the
+    traceparents its messages carry; ``server``: the span of an HTTP request). None when tracing is off."""
+    if _tracer is None:
+        return None
+    return _tracer.start_span(name, context=context_of(parent), kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
+                              attributes=attributes)
+
+
+def event(span: Span | None, name: str) -> None:
+    if span is not None:
+        span.add_event(name)
+
+
+def end(span: Span | None, error: BaseException | None = None) -> None:
+    if span is None:
+        return
+    if error is not None:
+        span.set_status(Status(StatusCode.ERROR, f"{type(error).__name__}: {error}"))
+        status = getattr(error, "status", None)
+        if status is not None:
+            span.set_attribute("http.response.status_code", status)
+    span.end()
+
+
+def record(name: str, parent: str | None, start: float, end: float, *, attributes: dict[str, Any] | None = None,
+           links: Sequence[str | None] = ()) -> str | None:
+    """A span that already happened, from ``start`` to ``end`` (epoch seconds), child of ``parent``; returns its
+    traceparent (None when tracing is off, or the parent was not sampled)."""
+    if _tracer is None:
+        return None
+    done = _tracer.start_span(name, context=context_of(parent), attributes=attributes, links=_links(links),
+                              start_time=int(start * 1e9))
+    done.end(end_time=int(max(start, end) * 1e9))
+    return traceparent_of(done) if done.get_span_context().trace_flags.sampled else None
+
+
+def _links(traceparents: Sequence[str | None]) -> list[Link]:
+    out = []
+    for parent in traceparents:
+        ctx = context_of(parent)
+        if ctx is not None:
+            context: SpanContext = trace.get_current_span(ctx).get_span_context()
+            out.append(Link(context))
+    return out
+
+
+def stamp_batch(batch: Batch, received: list[float]) -> Batch:
+    """The batcher's spans for a batch about to be sent (``received``: when each item reached the batcher,
+    epoch): ``llmb.queued`` and ``llmb.buffered`` per sampled item, ``llmb.batch`` linked to them all; the batch
+    carries its traceparent to the worker. A batch of unsampled items gets nothing."""
+    members = list(dict.fromkeys(item.trace for item in batch.items if sampled(item.trace)))  # one per call
+    if not members:
+        return batch
+    now = time.time()
+    for item, got in zip(batch.items, received):
+        if sampled(item.trace):
+            record("llmb.queued", item.trace, item.accepted_at, got, attributes={"llmb.tenant": item.tenant})
+            record("llmb.buffered", item.trace, got, now, attributes={"llmb.batch.id": batch.id})
+    parent = record("llmb.batch", None, now, time.time(), links=members, attributes={
+        "llmb.batch.id": batch.id, "llmb.batch.size": len(batch.items), "llmb.model": batch.model})
+    return replace(batch, trace=parent)
+
+
+def run_spans(batch: Batch, items: Sequence[BatchItem], worker: str, started: float, ran: float,
+              written: float) -> None:
+    """The worker's spans for a batch it ran from ``started`` to ``ran`` and whose results it wrote by
+    ``written`` (epoch): ``llmb.batch.run`` and ``llmb.batch.write`` under the batch's span, and per sampled
+    item ``llmb.run`` and ``llmb.write`` under its call, linked to the batch."""
+    if _tracer is None or not sampled(batch.trace):
+        return
+    attributes = {"llmb.batch.id": batch.id, "llmb.batch.size": len(items), "llmb.worker": worker}
+    record("llmb.batch.run", batch.trace, started, ran, attributes=attributes)
+    record("llmb.batch.write", batch.trace, ran, written, attributes=attributes)
+    for item in items:
+        if sampled(item.trace):
+            record("llmb.run", item.trace, started, ran, attributes=attributes, links=[batch.trace])
+            record("llmb.write", item.trace, ran, written, attributes=attributes)
