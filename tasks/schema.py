@@ -63,7 +63,10 @@ class InferenceRequest:
 
     def to_dict(self) -> dict[str, Any]:
         # by hand rather than dataclasses.asdict, whose deep copies cost more than the rest of the encoding
-        return {**vars(self), "items": [{**vars(i)} for i in self.items], "params": {**self.params}}
+        out = {**vars(self), "items": [{**vars(i)} for i in self.items], "params": {**self.params}}
+        if self.trace is None:  # as versions before tracing wrote it: they read it during a rolling upgrade
+            del out["trace"]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InferenceRequest:
@@ -123,8 +126,11 @@ class Batch:
     trace: str | None = None  # the traceparent of its llmb.batch span (tracing on, a member sampled)
 
     def to_dict(self) -> dict[str, Any]:
-        # by hand, as InferenceRequest's
-        return {**vars(self), "items": [{**vars(i), "params": {**i.params}} for i in self.items]}
+        # by hand, as InferenceRequest's; without tracing, as versions before it wrote it (a rolling upgrade)
+        out = {**vars(self), "items": [_item_dict(i) for i in self.items]}
+        if self.trace is None:
+            del out["trace"]
+        return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Batch:
@@ -142,6 +148,13 @@ class Batch:
     def derive(self, new_id: str, items: tuple[BatchItem, ...], *, now: float) -> Batch:
         """A new batch carrying some of this one's items (a half after a failure, or all of them again)."""
         return replace(self, id=new_id, items=items, created_at=now, parent_id=self.id, attempt=self.attempt + 1)
+
+
+def _item_dict(item: BatchItem) -> dict[str, Any]:
+    out = {**vars(item), "params": {**item.params}}
+    if item.trace is None:
+        del out["trace"]
+    return out
 
 
 @dataclass(frozen=True)

@@ -24,19 +24,21 @@ imported from the SDK and nothing is allocated per call.
 """
 from __future__ import annotations
 
+import logging
 import os
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.context import Context
+from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from tasks.schema import Batch, BatchItem
 
+log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _tracer: Tracer | None = None
 
@@ -53,7 +55,8 @@ def setup(service: str) -> None:
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
-    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service)}))
+    provider = TracerProvider(resource=Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service)}),
+                              sampler=_BatchesOfSampledCalls(_env_sampler()))
     for name in names:
         exporter: SpanExporter
         if name == "otlp":
@@ -62,10 +65,36 @@ def setup(service: str) -> None:
             exporter = OTLPSpanExporter()
         elif name == "console":
             exporter = ConsoleSpanExporter()
-        else:
-            raise ValueError(f"OTEL_TRACES_EXPORTER: unknown exporter {name!r} (otlp, console or none)")
+        else:  # a typo must not keep the service from starting: it runs untraced by that exporter, and says so
+            log.error("OTEL_TRACES_EXPORTER: unknown exporter %r (otlp, console or none): ignored", name)
+            continue
         provider.add_span_processor(BatchSpanProcessor(exporter))
     _tracer = provider.get_tracer("llm-batcher")
+
+
+def _env_sampler() -> Sampler:
+    """The sampler ``OTEL_TRACES_SAMPLER`` (and its argument) names, as the SDK reads them."""
+    from opentelemetry.sdk.trace import sampling
+
+    return sampling._get_from_env_or_default()
+
+
+class _BatchesOfSampledCalls(Sampler):
+    """The configured sampler, but for a batch's span: a batch is sampled when one of its calls is (it is the root
+    of its own trace, so a ratio sampler would otherwise drop most batches of sampled calls)."""
+
+    def __init__(self, inner: Sampler) -> None:
+        self.inner = inner
+
+    def should_sample(self, parent_context: Context | None, trace_id: int, name: str, kind: SpanKind | None = None,
+                      attributes: Any = None, links: Sequence[Link] | None = None,
+                      trace_state: Any = None) -> SamplingResult:
+        if name == "llmb.batch" and any(link.context.trace_flags.sampled for link in links or ()):
+            return SamplingResult(Decision.RECORD_AND_SAMPLE, attributes)
+        return self.inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"BatchesOfSampledCalls({self.inner.get_description()})"
 
 
 def enabled() -> bool:
@@ -103,14 +132,15 @@ def sampled(traceparent: str | None) -> bool:
         return False
 
 
-def start(name: str, parent: str | None = None, *, server: bool = False,
+def start(name: str, parent: str | None = None, *, at: float, server: bool = False,
           attributes: dict[str, Any] | None = None) -> Span | None:
-    """Start a span that :func:`end` ends (not made current: a call's spans are parented explicitly, by the
-    traceparents its messages carry; ``server``: the span of an HTTP request). None when tracing is off."""
+    """Start a span at ``at`` (epoch seconds, on the fleet's shared clock, as every span's times are) that
+    :func:`end` ends (not made current: a call's spans are parented explicitly, by the traceparents its messages
+    carry; ``server``: the span of an HTTP request). None when tracing is off."""
     if _tracer is None:
         return None
     return _tracer.start_span(name, context=context_of(parent), kind=SpanKind.SERVER if server else SpanKind.INTERNAL,
-                              attributes=attributes)
+                              attributes=attributes, start_time=int(at * 1e9))
 
 
 def event(span: Span | None, name: str) -> None:
@@ -118,7 +148,12 @@ def event(span: Span | None, name: str) -> None:
         span.add_event(name)
 
 
-def end(span: Span | None, error: BaseException | None = None) -> None:
+def fail(span: Span, why: str) -> None:
+    span.set_status(Status(StatusCode.ERROR, why))
+
+
+def end(span: Span | None, at: float, error: BaseException | None = None) -> None:
+    """End a span at ``at`` (epoch seconds, shared clock), as failed if ``error``."""
     if span is None:
         return
     if error is not None:
@@ -126,7 +161,7 @@ def end(span: Span | None, error: BaseException | None = None) -> None:
         status = getattr(error, "status", None)
         if status is not None:
             span.set_attribute("http.response.status_code", status)
-    span.end()
+    span.end(end_time=int(at * 1e9))
 
 
 def record(name: str, parent: str | None, start: float, end: float, *, attributes: dict[str, Any] | None = None,
@@ -151,19 +186,19 @@ def _links(traceparents: Sequence[str | None]) -> list[Link]:
     return out
 
 
-def stamp_batch(batch: Batch, received: list[float]) -> Batch:
-    """The batcher's spans for a batch about to be sent (``received``: when each item reached the batcher,
-    epoch): ``llmb.queued`` and ``llmb.buffered`` per sampled item, ``llmb.batch`` linked to them all; the batch
-    carries its traceparent to the worker. A batch of unsampled items gets nothing."""
+def stamp_batch(batch: Batch, received: list[float], now: float) -> Batch:
+    """The batcher's spans for a batch about to be sent at ``now`` (``received``: when each item reached the
+    batcher; epoch seconds, shared clock): ``llmb.queued`` and ``llmb.buffered`` per sampled item, ``llmb.batch``
+    linked to each of their calls; the batch carries its traceparent to the worker. A batch of unsampled items
+    gets nothing."""
     members = list(dict.fromkeys(item.trace for item in batch.items if sampled(item.trace)))  # one per call
     if not members:
         return batch
-    now = time.time()
     for item, got in zip(batch.items, received):
         if sampled(item.trace):
             record("llmb.queued", item.trace, item.accepted_at, got, attributes={"llmb.tenant": item.tenant})
             record("llmb.buffered", item.trace, got, now, attributes={"llmb.batch.id": batch.id})
-    parent = record("llmb.batch", None, now, time.time(), links=members, attributes={
+    parent = record("llmb.batch", None, now, now, links=members, attributes={
         "llmb.batch.id": batch.id, "llmb.batch.size": len(batch.items), "llmb.model": batch.model})
     return replace(batch, trace=parent)
 

@@ -173,8 +173,10 @@ def test_a_stream_marks_its_first_token_and_a_call_without_a_traceparent_starts_
             assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
         plain = http.post(traced.url + "/v1/infer", json={"input": "untraced caller"}, timeout=30)
     wait_for(lambda: any(s.name == "llmb.wait" for s in receiver.of(trace_id)), 20, "the stream's wait span")
+    wait_for(lambda: any(s.name == "llmb.call" for s in receiver.of(trace_id)), 20, "the stream's call span")
     (wait,) = named(receiver.of(trace_id), "llmb.wait")
-    assert "first_token" in wait.events
+    (call,) = named(receiver.of(trace_id), "llmb.call")
+    assert "first_token" in wait.events and call.start <= wait.start <= wait.end <= call.end  # ends with the stream
     assert plain.status_code == 200
     wait_for(lambda: any(s.name == "llmb.call" and s.parent_id == "" and s.attributes["llmb.request_id"].string_value
                          == plain.headers["X-Request-Id"] for s in list(receiver.spans)), 20, "a new trace's root")
@@ -198,3 +200,16 @@ def test_traceparents_are_read_and_written_as_w3c_says() -> None:
     assert tracing.trace_id(parent) == "0af7651916cd43dd8448eb211c80319c" and tracing.sampled(parent)
     assert not tracing.sampled(parent[:-2] + "00") and not tracing.sampled("junk") and tracing.trace_id(None) is None
     assert tracing.context_of("00-zz-zz-01") is None and tracing.context_of(None) is None
+
+
+def test_a_batch_of_a_sampled_call_is_sampled_whatever_the_ratio() -> None:
+    from opentelemetry.sdk.trace.sampling import Decision, TraceIdRatioBased
+    from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+    sampler = tracing._BatchesOfSampledCalls(TraceIdRatioBased(0.0))  # samples no trace of its own
+    member = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, is_remote=True,
+                         trace_flags=TraceFlags(TraceFlags.SAMPLED))
+    unsampled = SpanContext(member.trace_id, member.span_id, is_remote=True, trace_flags=TraceFlags(0))
+    assert sampler.should_sample(None, 1, "llmb.batch", links=[Link(member)]).decision == Decision.RECORD_AND_SAMPLE
+    assert sampler.should_sample(None, 1, "llmb.batch", links=[Link(unsampled)]).decision == Decision.DROP
+    assert sampler.should_sample(None, 1, "llmb.call").decision == Decision.DROP

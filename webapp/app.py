@@ -48,13 +48,15 @@ def create_app(settings: Settings | None = None) -> Flask:
         g.request_id = request_id_from(request.headers.get("X-Request-Id"))
         g.started = request.environ.get("llmb.arrived_at") or time.monotonic()  # the accept, under a burst
         if tracing.enabled() and is_inference(request.path):  # the call's span: the caller's traceparent its parent
+            clock = built.gateway.clock
             g.span = tracing.start("llmb.call", request.headers.get("traceparent"), server=True, attributes={
-                "http.request.method": request.method, "url.path": request.path, "llmb.request_id": g.request_id})
+                "http.request.method": request.method, "url.path": request.path, "llmb.request_id": g.request_id},
+                at=clock() - (time.monotonic() - g.started))  # from the accept
             g.trace = tracing.traceparent_of(g.span) if g.span is not None else None
 
     @app.teardown_request
-    def _end_span(error: BaseException | None) -> None:  # a stream's at its end (stream_with_context)
-        tracing.end(g.pop("span", None), error)
+    def _end_span(error: BaseException | None) -> None:  # (a stream's span is ended when its body is: _account)
+        tracing.end(g.pop("span", None), built.gateway.clock(), error)
 
     @app.after_request
     def _account(response: Response) -> Response:
@@ -63,8 +65,14 @@ def create_app(settings: Settings | None = None) -> Flask:
             response.headers["Idempotent-Replayed"] = "true"
         if is_inference(request.path):
             log_outcome(response)
-            if g.get("span") is not None:
-                g.span.set_attribute("http.response.status_code", response.status_code)
+            span = g.get("span")
+            if span is not None:
+                span.set_attribute("http.response.status_code", response.status_code)
+                if response.status_code >= 500:
+                    tracing.fail(span, f"HTTP {response.status_code}")
+                if response.is_streamed:  # the view has returned; the stream (and its span) ends later
+                    g.pop("span")
+                    response.call_on_close(lambda: tracing.end(span, built.gateway.clock()))
         return response
 
     register_error_handlers(app)

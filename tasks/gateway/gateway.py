@@ -131,14 +131,14 @@ class Gateway:
 
     def _traced_submit(self, call: Call, shape: Shape | None, idempotency: Idempotency | None) -> Answer:
         """:meth:`submit` with its ``llmb.admit`` and ``llmb.wait`` spans (``call.trace``: its llmb.call span)."""
-        started = time.time()
+        started = self.clock()
         try:
             entered = self._enter(call, shape or Shape(), idempotency, follow=True)
         finally:
-            tracing.record("llmb.admit", call.trace, started, time.time())
+            tracing.record("llmb.admit", call.trace, started, self.clock())
         if isinstance(entered, Answer):
             return entered
-        wait = tracing.start("llmb.wait", call.trace)
+        wait = tracing.start("llmb.wait", call.trace, at=self.clock())
         error: BaseException | None = None
         try:
             return self.waiting.answer(call, entered)
@@ -146,7 +146,7 @@ class Gateway:
             error = exc
             raise
         finally:
-            tracing.end(wait, error)
+            tracing.end(wait, self.clock(), error)
 
     def stream(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Events:
         """Admit and publish a call now (so refusals raise here), then return its events (:class:`Event`): each
@@ -158,16 +158,16 @@ class Gateway:
         An idempotent retry of a finished stream gets the first call's results, each as one Done; of a stream
         still running, IdempotencyInProgress (409): its text went to the first caller."""
         call = replace(call, params={**call.params, "stream": True})
-        started = time.time()
+        started = self.clock() if call.trace is not None else 0.0
         try:
             entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
         finally:
             if call.trace is not None:
-                tracing.record("llmb.admit", call.trace, started, time.time())
+                tracing.record("llmb.admit", call.trace, started, self.clock())
         if isinstance(entered, Answer):
             return Events(entered.request_id, replayed(entered.results), replayed=True)
         events = self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered)
-        return Events(call.request_id, events if call.trace is None else _traced(events, call.trace))
+        return Events(call.request_id, events if call.trace is None else _traced(events, call.trace, self.clock))
 
     def resume(self, tenant: str, request_id: str, last_event_id: str | None) -> Resumed | None:
         """The tenant's streamed call of this id again, after the event ``last_event_id`` names (None: from the
@@ -438,9 +438,10 @@ class Gateway:
             self.listener.forget(ids, waiter)
 
 
-def _traced(events: Generator[Event, None, None], parent: str) -> Generator[Event, None, None]:
+def _traced(events: Generator[Event, None, None], parent: str,
+            clock: Callable[[], float]) -> Generator[Event, None, None]:
     """A stream's events inside its ``llmb.wait`` span: an event at its first token, ended with the stream."""
-    wait = tracing.start("llmb.wait", parent)
+    wait = tracing.start("llmb.wait", parent, at=clock())
     error: BaseException | None = None
     first = True
     try:
@@ -453,4 +454,4 @@ def _traced(events: Generator[Event, None, None], parent: str) -> Generator[Even
             yield event
     finally:
         events.close()
-        tracing.end(wait, error)
+        tracing.end(wait, clock(), error)

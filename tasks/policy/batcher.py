@@ -80,7 +80,7 @@ class Batcher:
         wallclock: Callable[[], float] = time.time,
         prefix_routing: bool = True,
         prefix_wait_s: float = 1.0,
-        stamp: Callable[[Batch, list[float]], Batch] | None = None,
+        stamp: Callable[[Batch, list[float], float], Batch] | None = None,
     ) -> None:
         self.policy = policy
         self.max_retries = max_retries
@@ -93,8 +93,8 @@ class Batcher:
         self.prefixes = PrefixIndex()  # which prompt starts each worker's cache holds (prefix-aware routing)
         self.prefix_routing = prefix_routing
         self.prefix_wait_s = prefix_wait_s
-        # Marks a batch before it is sent, given when each item reached this batcher (epoch): tracing's spans
-        # (tasks.broker.consumer); None: sent as formed.
+        # Marks a batch before it is sent, given when each item reached this batcher and the time now (wall
+        # clock): tracing's spans (tasks.broker.consumer); None: sent as formed.
         self.stamp = stamp
         self.wait = wait or WaitPolicy(mode="fixed", fixed_s=policy.max_wait_s)
         self.quantum = quantum
@@ -317,8 +317,9 @@ class Batcher:
         """Send these buffered items as one batch; resolve them once it is handed on."""
         batch = self._batch(model, items)
         if self.stamp is not None:
-            offset = self.clock() - self.wallclock()
-            batch = self.stamp(batch, [p.arrived - offset for p in items])
+            wall = self.wallclock()
+            offset = self.clock() - wall
+            batch = self.stamp(batch, [p.arrived - offset for p in items], wall)
         if not self._send(batch, worker):
             return False
         for p in items:
