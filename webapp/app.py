@@ -8,6 +8,7 @@ import importlib.metadata
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from flask import Flask, Response, g, jsonify, request
@@ -47,16 +48,6 @@ def create_app(settings: Settings | None = None) -> Flask:
     def _correlate() -> None:
         g.request_id = request_id_from(request.headers.get("X-Request-Id"))
         g.started = request.environ.get("llmb.arrived_at") or time.monotonic()  # the accept, under a burst
-        if tracing.enabled() and is_inference(request.path):  # the call's span: the caller's traceparent its parent
-            clock = built.gateway.clock
-            g.span = tracing.start("llmb.call", request.headers.get("traceparent"), server=True, attributes={
-                "http.request.method": request.method, "url.path": request.path, "llmb.request_id": g.request_id},
-                at=clock() - (time.monotonic() - g.started))  # from the accept
-            g.trace = tracing.traceparent_of(g.span) if g.span is not None else None
-
-    @app.teardown_request
-    def _end_span(error: BaseException | None) -> None:  # (a stream's span is ended when its body is: _account)
-        tracing.end(g.pop("span", None), built.gateway.clock(), error)
 
     @app.after_request
     def _account(response: Response) -> Response:
@@ -65,16 +56,10 @@ def create_app(settings: Settings | None = None) -> Flask:
             response.headers["Idempotent-Replayed"] = "true"
         if is_inference(request.path):
             log_outcome(response)
-            span = g.get("span")
-            if span is not None:
-                span.set_attribute("http.response.status_code", response.status_code)
-                if response.status_code >= 500:
-                    tracing.fail(span, f"HTTP {response.status_code}")
-                if response.is_streamed:  # the view has returned; the stream (and its span) ends later
-                    g.pop("span")
-                    response.call_on_close(lambda: tracing.end(span, built.gateway.clock()))
         return response
 
+    if tracing.enabled():  # (off, a request runs no hook of it)
+        trace_calls(app, built.gateway.clock)
     register_error_handlers(app)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(admin_api.bp)
@@ -92,6 +77,35 @@ def create_app(settings: Settings | None = None) -> Flask:
 
     app.add_url_rule("/openapi.json", view_func=openapi_json)
     return app
+
+
+def trace_calls(app: Flask, clock: Callable[[], float]) -> None:
+    """Each inference call's ``llmb.call`` span, from its accept (the caller's traceparent its parent) to its
+    answer's last byte (:mod:`tasks.tracing`)."""
+
+    @app.before_request
+    def _start_span() -> None:
+        if is_inference(request.path):
+            g.span = tracing.start("llmb.call", request.headers.get("traceparent"), server=True, attributes={
+                "http.request.method": request.method, "url.path": request.path, "llmb.request_id": g.request_id},
+                at=clock() - (time.monotonic() - g.started))
+            g.trace = tracing.traceparent_of(g.span) if g.span is not None else None
+
+    @app.after_request
+    def _status(response: Response) -> Response:
+        span = g.get("span")
+        if span is not None:
+            span.set_attribute("http.response.status_code", response.status_code)
+            if response.status_code >= 500:
+                tracing.fail(span, f"HTTP {response.status_code}")
+            if response.is_streamed:  # the view has returned; the stream (and its span) ends later
+                g.pop("span")
+                response.call_on_close(lambda: tracing.end(span, clock()))
+        return response
+
+    @app.teardown_request
+    def _end_span(error: BaseException | None) -> None:
+        tracing.end(g.pop("span", None), clock(), error)
 
 
 def is_inference(path: str) -> bool:
@@ -115,7 +129,7 @@ def log_outcome(response: Response) -> None:
              f" {error_type}" if error_type else "", elapsed * 1000, f" batch {batches}" if batches else "",
              extra={"request_id": g.get("request_id"), "status": response.status_code, "error": error_type or None,
                     "batch_id": batches or None, "total_ms": round(elapsed * 1000, 1),
-                    "trace_id": tracing.trace_id(g.get("trace"))})
+                    **({"trace_id": tracing.trace_id(g.get("trace"))} if tracing.enabled() else {})})
 
 
 @tenancy.authenticated
