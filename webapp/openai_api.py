@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, TypeVar
 
-from flask import Blueprint, Response, g, jsonify, stream_with_context
+from flask import Blueprint, Response, g, jsonify
 
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
@@ -106,8 +106,7 @@ def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Respo
         finally:
             events.close()  # the client went away mid-stream: cancel the generations (unless it resumes)
 
-    return Response(stream_with_context(generate()), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.response(generate())
 
 
 def openings(call: Call, chat: bool) -> list[Any]:

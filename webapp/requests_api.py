@@ -20,7 +20,7 @@ next, ids included, then ``[DONE]``.
 """
 from __future__ import annotations
 
-from flask import Blueprint, Response, g, jsonify, request, stream_with_context
+from flask import Blueprint, Response, g, jsonify, request
 from werkzeug.exceptions import NotFound
 
 from tasks.policy.tenancy import check_tenant_name
@@ -77,5 +77,4 @@ def resume_stream(request_id: str) -> Response:
     openings = [{"role": "assistant", "content": ""} if chat else None] * len(record.items)
     events = sse.render(record, chat, Streaming(include_usage=record.shape.usage), openings, record.shape.choices,
                         resumed.events, resumed.position)
-    return Response(stream_with_context(events), mimetype="text/event-stream",
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return sse.response(events)

@@ -11,6 +11,8 @@ import json
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from flask import Response, stream_with_context
+
 from tasks.errors import BatchingError
 from tasks.gateway.calls import Delta, Done, Event
 from tasks.policy.stream_position import Position, text_after
@@ -64,6 +66,12 @@ def render(call: Named, chat: bool, streaming: Streaming, openings: Sequence[Any
         position = position.with_usage()
         yield _event(usage_chunk(call, chat, tuple(done[i] for i in sorted(done)), choices), position)
     yield "data: [DONE]\n\n"
+
+
+def response(body: Iterator[str]) -> Response:
+    """The streamed response of rendered events, in the request's context until its last byte."""
+    return Response(stream_with_context(body), mimetype="text/event-stream",
+                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 def _event(payload: dict[str, Any], position: Position) -> str:
