@@ -231,3 +231,32 @@ def test_a_batch_run_again_or_a_lost_piece_never_repeats_or_skips_text() -> None
     # a piece lost on the way (a pub/sub message missed): the rest of the text comes with the last chunk
     lost = [Delta(0, "Hello ", 0), Delta(0, "ld", 9), done]
     assert run(lost) == ("Hello world", ["0", "6", "11f"])
+
+
+def test_a_process_serves_a_bounded_number_of_resumed_streams_per_tenant() -> None:
+    from typing import cast
+
+    from tasks.errors import Overloaded
+    from tasks.gateway.resume import MAX_RESUMING_PER_TENANT, Resumer
+    from tasks.state.journal import Journal
+    from tasks.state.records import Record
+    from tasks.state.results import ResultListener
+
+    class Nothing:  # a journal and a listener with nothing in them
+        def read(self, after: object) -> dict[str, object]:
+            return {}
+
+        def fetch(self, ids: object) -> dict[str, object]:
+            return {}
+
+    resumer = Resumer(cast(Journal, Nothing()), cast(ResultListener, Nothing()), clock=lambda: 1e12)
+    record = Record("r", "alice", "sim-lm", ("i",), accepted_at=0.0, deadline=1.0, instance="gone")
+    streams = [resumer.events(record, Position.start(1)) for _ in range(MAX_RESUMING_PER_TENANT)]
+    assert all(next(s).status == 504 for s in streams)  # type: ignore[union-attr]  # running (its deadline long past)
+    with pytest.raises(Overloaded):
+        resumer.events(record, Position.start(1))
+    other = resumer.events(Record("r2", "bob", "sim-lm", ("j",), 0.0, 1.0, "gone"), Position.start(1))
+    streams[0].close()  # type: ignore[attr-defined]
+    again = resumer.events(record, Position.start(1))  # a place freed: alice may again
+    next(again)
+    assert other is not None and resumer.resuming["alice"] == MAX_RESUMING_PER_TENANT

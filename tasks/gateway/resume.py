@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import redis
 
-from tasks.errors import DeadlineExceeded
+from tasks.errors import DeadlineExceeded, Overloaded
 from tasks.gateway.calls import Delta, Done, Event
 from tasks.gateway.links import redis_refusal
 from tasks.policy.refusal import error_of
@@ -25,6 +25,8 @@ from tasks.state.records import OUTCOME_GRACE_S, Record
 from tasks.state.results import ResultListener
 
 POLL_S = 0.05  # a resumed stream with nothing new reads the journal and results again after this long
+MAX_RESUMING = 64  # resumed streams one API process serves at once (each reads Redis every POLL_S)...
+MAX_RESUMING_PER_TENANT = 8  # ... and of them, one tenant's: the rest are refused (429), not queued
 
 
 class Resumer:
@@ -32,14 +34,32 @@ class Resumer:
         self.journal = journal
         self.listener = listener
         self.clock = clock  # the shared clock: the record's deadline is on it
+        self.resuming: dict[str, int] = {}  # tenant -> resumed streams this process serves now
 
     def events(self, record: Record, position: Position) -> Iterator[Event]:
         """What the client at ``position`` lacks of the call's choices (their text, then each one's Done), or
-        an error that ends the stream (an item's own, the call's deadline passing first, Redis away: 503)."""
+        an error that ends the stream (an item's own, the call's deadline passing first, Redis away: 503).
+        Overloaded (429) at once when this process serves :data:`MAX_RESUMING` resumed streams, or the
+        tenant :data:`MAX_RESUMING_PER_TENANT`."""
+        tenant = record.tenant
+        if sum(self.resuming.values()) >= MAX_RESUMING or self.resuming.get(tenant, 0) >= MAX_RESUMING_PER_TENANT:
+            raise Overloaded("this API process serves as many resumed streams as it may now; retry in a moment",
+                             retry_after_s=1)
+        return self._counted(record, position)
+
+    def _counted(self, record: Record, position: Position) -> Iterator[Event]:
+        # counted once it runs (a response closed before its first byte never runs it, nor its finally)
+        self.resuming[record.tenant] = self.resuming.get(record.tenant, 0) + 1
         try:
             yield from self._events(record, position)
         except redis.RedisError as exc:
             yield redis_refusal(exc, " while resuming the stream", busy_is_overload=False)
+        finally:
+            left = self.resuming[record.tenant] - 1
+            if left:
+                self.resuming[record.tenant] = left
+            else:
+                del self.resuming[record.tenant]
 
     def _events(self, record: Record, position: Position) -> Iterator[Event]:
         ids = record.items
