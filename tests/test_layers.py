@@ -2,8 +2,8 @@
 
 ``tasks/`` is split by role:
 
-- vocabulary, the top-level modules ``tasks.config``, ``tasks.errors``, ``tasks.schema``, ``tasks.logs``: the words
-  every other part speaks;
+- vocabulary, the top-level modules ``tasks.config``, ``tasks.errors``, ``tasks.schema``, ``tasks.logs``,
+  ``tasks.heap``, ``tasks.tracing``: the words every other part speaks;
 - ``tasks.policy``: pure decisions (what to batch, where to send it, what to admit), no I/O;
 - ``tasks.state``: state held in Redis;
 - ``tasks.store``: state held in the SQL database (SQLAlchemy);
@@ -29,7 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "webapp", "gpu_worker")
-VOCABULARY = ("tasks.config", "tasks.errors", "tasks.schema", "tasks.logs", "tasks.heap")
+VOCABULARY = ("tasks.config", "tasks.errors", "tasks.schema", "tasks.logs", "tasks.heap", "tasks.tracing")
 LAYERS = ("policy", "state", "store", "jobs", "broker", "gateway", "cli")  # the sub-packages of tasks
 HEAVY = ("redis", "kombu", "celery", "sqlalchemy", "flask", "amqp", "torch", "transformers", "prometheus_client")
 
