@@ -176,16 +176,14 @@ class Waiting:
         forgotten and the rest cancelled (:meth:`_abandon`)."""
         record = entered.record
         try:
-            found = self.listener.fetch(unfinished)
+            found = self.listener.fetch(entered.ids)  # one read: what finished meanwhile, and whether all did
             self.release(ticket, [i for i in unfinished if i in found])
             rest = [i for i in unfinished if i not in found]
-            if not rest:
-                results = self.listener.fetch(entered.ids)
-                if len(results) == len(entered.ids):
-                    failed = next((r for r in results.values() if r.error), None)
-                    self._settle(entered, None if failed is None else error_of(failed),
-                                 results=tuple(results[i] for i in entered.ids))
-                    return
+            if len(found) == len(entered.ids):
+                failed = next((r for r in found.values() if r.error), None)
+                self._settle(entered, None if failed is None else error_of(failed),
+                             results=tuple(found[i] for i in entered.ids))
+                return
             assert self.journal is not None
             if self.journal.resumed(record.tenant, record.request_id):
                 if rest and time.monotonic() < entered.deadline and self._later(ticket, entered, rest):

@@ -1,6 +1,6 @@
 """The text a worker streams, kept in Redis so that a stream can be resumed by any API process.
 
-Streamed text goes to the waiting API process by pub/sub (:func:`tasks.state.results.publish_deltas`), which
+Streamed text goes to the waiting API process by pub/sub (:meth:`tasks.state.results.ResultWriter.stream`), which
 keeps nothing: if that process dies, or its client's connection does, the text is gone with it. So each piece
 is also appended to a Redis stream per item, ``<ns>:journal:<item id>`` (:class:`Journal`), with the offset in
 the item's text where it starts; a resumed stream (:mod:`tasks.gateway.resume`) reads it from the start and
