@@ -1,18 +1,24 @@
 """GPU check: one small Hugging Face causal LM through the worker's own backend (HFCausalBackend, in process),
-tokens per second at batch 1 and batch 100, static ``generate()`` against continuous batching.
+tokens per second and time to first token at batch 1 and batch 100, static ``generate()`` against continuous
+batching, greedy and sampled, and the continuous engine's prompt-block hits.
 
     python -m bench.gpu_check                                 # Qwen/Qwen2.5-0.5B-Instruct, bf16 on CUDA
     python -m bench.gpu_check /models/qwen2.5-0.5b --max-tokens 256 --json gpu.json
     python -m bench.gpu_check --tiny                          # the tests' tiny random Llama (CPU, seconds)
 
 Scenarios, each for both modes: batch 1 (one request at a time, ``--repeat`` of them), batch 100 (one
-batch of 100 greedy requests, each asking for ``--max-tokens``) and batch 100 with mixed lengths (``max_tokens``
+batch of 100 greedy requests, each asking for ``--max-tokens``), batch 100 with mixed lengths (``max_tokens``
 log-uniform from 8 to ``--max-tokens``: a padded batch runs until its longest row is done, continuous
-batching lets short rows leave). tokens/s counts generated tokens only; ``same text`` is how many answers
-match the static mode's, token for token (greedy: the two engines use different attention kernels, so bf16
-may diverge after a while). The model is loaded once per mode (bf16 on a GPU, fp32 on the CPU), as a worker
-would load it; the whole check stops starting new scenarios after ``--budget-s``. A model that cannot be
-loaded (unknown id, no network to the hub, out of memory) ends the check with a message and exit status 2.
+batching lets short rows leave), the same sampled (temperature 0.8, top_p 0.95, a distinct seed each: static
+runs one ``generate()`` per seed, continuous runs them together through the seeded sampler), and batch 100
+sharing a long system prompt, sent twice (the second time the continuous engine finds its blocks cached:
+``prefix hits`` is the share of prompt blocks looked up that were). tokens/s counts generated tokens only;
+TTFT is the median time to each request's first streamed token; ``same text`` is how many answers match the
+static mode's, token for token (greedy: the two engines use different attention kernels, so bf16 may diverge
+after a while; sampled: the engines draw differently, so it is not compared). The model is loaded once per
+mode (bf16 on a GPU, fp32 on the CPU), as a worker would load it; the whole check stops starting new scenarios
+after ``--budget-s``. A model that cannot be loaded (unknown id, no network to the hub, out of memory) ends the
+check with a message and exit status 2.
 """
 from __future__ import annotations
 
@@ -37,11 +43,22 @@ def prompts(n: int, seed: int = 3) -> list[str]:
             for i in range(n)]
 
 
-def scenarios(max_tokens: int, seed: int = 5) -> dict[str, list[int]]:
+SYSTEM = ("You are the assistant of a team that runs a batching service for language models. Answer in plain "
+          "words, briefly, and say when you do not know. ")
+
+
+TINY_SYSTEM = "the cat sat on a mat; the queue is fast; " * 4  # the tiny model's words and context (256 tokens)
+
+
+def scenarios(max_tokens: int, shared: str, seed: int = 5) -> dict[str, tuple[list[int], bool, str]]:
+    """Per scenario: each request's max_tokens, whether sampled, and the prompt start they share ('' none)."""
     rng = random.Random(seed)
     mixed = [max(8, min(max_tokens, round(math.exp(rng.uniform(math.log(8), math.log(max_tokens))))))
              for _ in range(100)]
-    return {"batch 1": [max_tokens], "batch 100": [max_tokens] * 100, "batch 100, mixed lengths": mixed}
+    return {"batch 1": ([max_tokens], False, ""), "batch 100": ([max_tokens] * 100, False, ""),
+            "batch 100, mixed lengths": (mixed, False, ""),
+            "batch 100, mixed lengths, sampled": (mixed, True, ""),
+            "batch 100, shared prompt (2nd time)": ([16] * 100, False, shared)}
 
 
 def load(path: str, device: str, continuous: bool, args: argparse.Namespace) -> Any:
@@ -60,21 +77,62 @@ def load(path: str, device: str, continuous: bool, args: argparse.Namespace) -> 
         sys.exit(CANNOT_LOAD)
 
 
-def measure(backend: Any, name: str, lengths: list[int], repeat: int) -> dict[str, Any]:
-    texts = prompts(len(lengths))
-    backend.run(texts[:len(lengths)], [{"max_tokens": 2, "temperature": 0} for _ in lengths])  # warm this shape
-    params = [{"max_tokens": n, "temperature": 0} for n in lengths]
+def measure(backend: Any, name: str, lengths: list[int], repeat: int, sampled: bool = False,
+            shared: str = "") -> dict[str, Any]:
+    from gpu_worker.backends import Hooks
+
+    texts = [shared + t for t in prompts(len(lengths))]
+    params = [{"max_tokens": n, **({"temperature": 0.8, "top_p": 0.95, "seed": 100 + i} if sampled else
+                                   {"temperature": 0})} for i, n in enumerate(lengths)]
+    if shared:  # the first time fills the cache; the second is measured
+        backend.run(texts, params)
+    else:
+        backend.run(texts, [{**p, "max_tokens": 2} for p in params])  # warm this shape
     runs = repeat if len(lengths) == 1 else 1
-    tokens, wall, outputs = 0, 0.0, []
+    tokens, wall, outputs, firsts = 0, 0.0, [], []
+    cache = backend.prefix_cache()
     for r in range(runs):
         batch = [f"{t} (run {r})" for t in texts] if runs > 1 else texts
+        first: dict[int, float] = {}
+
+        def stream(deltas: list[tuple[int, str]], first: dict[int, float] = first) -> None:
+            now = time.perf_counter()
+            for index, _ in deltas:
+                first.setdefault(index, now)
+
         started = time.perf_counter()
-        out = backend.run(batch, params)
+        out = backend.run(batch, params, Hooks(streaming=set(range(len(batch))), stream=stream))
         wall += time.perf_counter() - started
+        firsts += [(t - started) * 1000 for t in first.values()]
+        failed = [o for o in out if not isinstance(o, dict)]
+        if failed:
+            raise SystemExit(f"gpu_check: {name}: {len(failed)} requests failed, e.g. {failed[0]}")
         tokens += sum(int(o["completion_tokens"]) for o in out)
         outputs += [o["text"] for o in out]
+    after = backend.prefix_cache()
+    looked = after.queries - cache.queries
     return {"scenario": name, "requests": len(lengths) * runs, "tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 1), "texts": outputs}
+            "tokens_per_s": round(tokens / wall, 1),
+            "ttft_p50_ms": round(sorted(firsts)[len(firsts) // 2], 1) if firsts else None,
+            "prefix_hits": f"{(after.hits - cache.hits) / looked:.0%}" if looked else "-",
+            "sampled": sampled, "texts": outputs}
+
+
+def print_table(results: dict[str, dict[str, Any]], modes: list[str]) -> None:
+    print("\n| scenario | " + " | ".join(f"{m} tokens/s | {m} TTFT p50 ms" for m in modes) +
+          " | continuous / static | prefix hits (continuous) | same text as static |")
+    print("|---|" + "---|---|" * len(modes) + "---|---|---|")
+    for name, by_mode in results.items():
+        cells = [f"{by_mode[m]['tokens_per_s']} | {by_mode[m]['ttft_p50_ms']}" if m in by_mode else "- | -"
+                 for m in modes]
+        ratio, same = "-", "-"
+        hits = by_mode["continuous"]["prefix_hits"] if "continuous" in by_mode else "-"
+        if "static" in by_mode and "continuous" in by_mode:
+            s, c = by_mode["static"], by_mode["continuous"]
+            ratio = f"{c['tokens_per_s'] / s['tokens_per_s']:.2f}x"
+            if not s["sampled"]:
+                same = f"{sum(a == b for a, b in zip(s['texts'], c['texts']))}/{len(s['texts'])}"
+        print(f"| {name} | " + " | ".join(cells) + f" | {ratio} | {hits} | {same} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,14 +185,16 @@ def main(argv: list[str] | None = None) -> int:
         load_s = time.perf_counter() - started
         print(f"  {mode}: loaded and warmed in {load_s:.1f} s", flush=True)
         try:
-            for name, lengths in scenarios(args.max_tokens).items():
+            shared_start = TINY_SYSTEM if args.tiny else SYSTEM * 6
+            for name, (lengths, sampled, shared) in scenarios(args.max_tokens, shared_start).items():
                 if time.monotonic() - began > args.budget_s:
                     skipped.append(f"{mode}: {name}")
                     continue
-                r = measure(backend, name, lengths, args.repeat)
+                r = measure(backend, name, lengths, args.repeat, sampled, shared)
                 results.setdefault(name, {})[mode] = r
-                print(f"  {mode:<10} {name:<26} {r['tokens']:>6} tokens in {r['wall_s']:>7.2f} s: "
-                      f"{r['tokens_per_s']:>8.1f} tokens/s", flush=True)
+                print(f"  {mode:<10} {name:<36} {r['tokens']:>6} tokens in {r['wall_s']:>7.2f} s: "
+                      f"{r['tokens_per_s']:>8.1f} tokens/s, TTFT p50 {r['ttft_p50_ms']} ms, "
+                      f"prefix hits {r['prefix_hits']}", flush=True)
         finally:
             if hasattr(backend, "close"):
                 backend.close()
@@ -142,17 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             if gpu:
                 torch.cuda.empty_cache()
 
-    print("\n| scenario | " + " | ".join(f"{m} tokens/s" for m in args.modes) + " | continuous / static "
-          "| same text as static |")
-    print("|---|" + "---|" * len(args.modes) + "---|---|")
-    for name, by_mode in results.items():
-        cells = [str(by_mode[m]["tokens_per_s"]) if m in by_mode else "-" for m in args.modes]
-        ratio, same = "-", "-"
-        if "static" in by_mode and "continuous" in by_mode:
-            s, c = by_mode["static"], by_mode["continuous"]
-            ratio = f"{c['tokens_per_s'] / s['tokens_per_s']:.2f}x"
-            same = f"{sum(a == b for a, b in zip(s['texts'], c['texts']))}/{len(s['texts'])}"
-        print(f"| {name} | " + " | ".join(cells) + f" | {ratio} | {same} |")
+    print_table(results, args.modes)
     if skipped:
         print(f"\nnot run (past --budget-s {args.budget_s:g}): {', '.join(skipped)}")
     print(f"\ngpu_check: done in {time.monotonic() - began:.0f} s")

@@ -108,8 +108,8 @@ class Models:
         "Largest max_tokens a completion request may ask for.")
     device_price_per_hour: float = setting(2.0, "device_price_per_hour",
         "What one device costs per hour (any currency): `llmb-admin stats` turns it into a cost per million tokens.")
-    hf_mode: HfMode = setting(HfMode.STATIC, "hf_mode",
-        "hf-causal workers: 'static' (one padded generate() per batch; the default, measured faster on this CPU: see Real models) or 'continuous' (greedy requests join and leave the running batch at every step; sampled ones still run static).")
+    hf_mode: HfMode = setting(HfMode.CONTINUOUS, "hf_mode",
+        "hf-causal workers: 'continuous' (every request, sampled ones with their own seeds, joins and leaves the running batch at every step; prompt blocks are shared and cached) or 'static' (one padded generate() per batch, or per seed group when sampled).")
     cb_slots: int = setting(4, "cb_slots",
         "Continuous mode: batches a worker runs at once (their requests share the decode batch).")
     cb_num_blocks: int = setting(256, "cb_num_blocks",

@@ -79,6 +79,38 @@ def test_seeded_sampling_is_reproducible(client: openai.OpenAI) -> None:
     assert sample() == sample()
 
 
+def test_a_seed_gives_the_same_text_alone_or_beside_other_calls(client: openai.OpenAI) -> None:
+    """Sampled calls run on the continuous engine with the others (the seeded sampler), each by its own seed."""
+    def sample(seed: int, max_tokens: int = 12, temperature: float = 0.8) -> str:
+        return client.completions.create(model=LM, prompt="the worker sat", max_tokens=max_tokens,
+                                         temperature=temperature, top_p=0.95, seed=seed).choices[0].text
+    alone = sample(21)
+    others = [(i, 4 + 9 * (i % 4), 0.0 if i % 3 == 0 else 0.9) for i in range(11)]
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        mine = pool.submit(sample, 21)
+        beside = list(pool.map(lambda o: sample(*o), others))
+        assert mine.result() == alone
+    assert len(beside) == len(others)
+    assert sample(22) != alone
+
+
+def test_shared_prompt_starts_show_in_the_fleet_view(models_stack: Stack, client: openai.OpenAI) -> None:
+    """Prompt blocks the continuous engine found cached: counted in the heartbeat, shown by `llmb-admin workers`."""
+    system = "the cat sat on a mat; " * 25
+    for i in range(3):
+        client.completions.create(model=LM, prompt=system + f"question {i}", max_tokens=2, temperature=0)
+
+    def hits() -> dict[str, Any] | None:
+        beat = next((w for w in models_stack.fleet().values() if w["model"] == LM), None)
+        return beat if beat and beat["prefix_hits"] > 0 else None
+
+    wait_for(hits, 15, "prefix hits in the tiny model's heartbeat")
+    beat = hits()
+    assert beat is not None and beat["prefix_caching"] and beat["cached_blocks"] > 0 and beat["prefixes"]
+    row = next(line for line in models_stack.admin("workers").stdout.splitlines() if f" {LM} " in line)
+    assert "%" in row.split()[10], row  # PREFIX HIT: a share, not '-'
+
+
 def test_chat_completions_use_the_chat_template(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(model=LM, max_tokens=6, temperature=0, messages=[
         {"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}])

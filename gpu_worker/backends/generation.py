@@ -23,6 +23,11 @@ class Row:
     stop: list[str]
     logprobs: int | None = None  # how many likeliest tokens to give at each position (None: no logprobs)
     echo: bool = False  # the prompt's tokens and their logprobs too (scoring a given text, max_tokens 0)
+    temperature: float = 1.0  # the API's default; 0: greedy
+    top_p: float = 1.0
+    seed: int | None = None  # a sampled row's draws repeat for the same seed (None: a fresh one)
+    prefix: tuple[str, ...] = ()  # the batchers' names of its input's start (tasks.policy.prefixes)
+    input_chars: int = 0  # its input's length in characters (to map those names to prompt pages)
 
     @classmethod
     def from_params(cls, index: int, prompt_ids: list[int], params: Mapping[str, Any]) -> Row:
@@ -30,9 +35,12 @@ class Row:
         stop = params.get("stop") or []
         max_tokens = params.get("max_tokens")
         logprobs = params.get("logprobs")
+        temperature, top_p, seed = params.get("temperature"), params.get("top_p"), params.get("seed")
         return cls(index, prompt_ids, 16 if max_tokens is None else int(max_tokens),
                    [stop] if isinstance(stop, str) else list(stop),
-                   None if logprobs is None else int(logprobs), bool(params.get("echo")))
+                   None if logprobs is None else int(logprobs), bool(params.get("echo")),
+                   1.0 if temperature is None else float(temperature), float(top_p or 1.0),
+                   None if seed is None else int(seed))
 
     @property
     def scored(self) -> bool:

@@ -1,11 +1,12 @@
 """Text generation with any Hugging Face causal LM.
 
-Greedy requests go to continuous batching (:mod:`gpu_worker.backends.continuous`) unless the worker runs in
-static mode; sampled ones, and all of them in static mode, use batched, left-padded ``generate()``.
+Every request goes to continuous batching (:mod:`gpu_worker.backends.continuous`), sampled ones with their own
+seeds, unless the worker runs in static mode (``LLMB_HF_MODE=static``): then each batch is a left-padded,
+batched ``generate()``.
 
 Each item carries its own parameters (``max_tokens``, ``temperature``, ``top_p``, ``stop``, ``seed``, and
-``chat`` when its input is a JSON list of chat messages for the model's chat template). Items that decode
-alike (all greedy, or the same temperature, top_p and seed) run as one padded batch; a per-row stopping
+``chat`` when its input is a JSON list of chat messages for the model's chat template). In static mode, items
+that decode alike (all greedy, or the same temperature, top_p and seed) run as one padded batch; a per-row stopping
 criterion ends each row at its own ``max_tokens`` or stop sequence, so a short request does not wait for
 a long one to be decided (the stop rule both engines share is in
 :mod:`gpu_worker.backends.generation`). Greedy outputs are the same whether a request ran alone or in a batch of 100.
@@ -21,9 +22,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from gpu_worker.backends import Hooks, ItemError
+from gpu_worker.backends import NO_PREFIX_CACHE, Hooks, ItemError, PrefixCache
 from gpu_worker.backends.continuous import ContinuousEngine, EngineConfig
 from gpu_worker.backends.generation import Entry, Row, StopText, completion, cut_at_stop, with_logprobs
+from tasks.policy.prefixes import prefix_keys
 
 
 class _PerRowStop(StoppingCriteria):
@@ -114,6 +116,10 @@ class HFCausalBackend:
         """The KV-cache budget of continuous batching (0 in static mode)."""
         return self.engine.kv_tokens if self.engine is not None else 0
 
+    def prefix_cache(self) -> PrefixCache:
+        """The continuous engine's shared prompt blocks (static batches keep none)."""
+        return self.engine.prefix_cache() if self.engine is not None else NO_PREFIX_CACHE
+
     def close(self) -> None:
         """Stop the continuous-batching manager (its thread would otherwise keep the process alive)."""
         if self.engine is not None:
@@ -151,6 +157,7 @@ class HFCausalBackend:
                 outputs[i] = ItemError("invalid_request", f"cannot build the prompt: {exc}")
                 continue
             row = Row.from_params(i, ids, p)
+            row.prefix, row.input_chars = prefix_keys(text), len(text)
             if len(ids) + row.max_tokens > self.max_context:
                 outputs[i] = ItemError("context_length_exceeded", f"the prompt has {len(ids)} tokens and "
                                        f"max_tokens is {row.max_tokens}: more than this model's context of "
@@ -161,14 +168,12 @@ class HFCausalBackend:
             if row.max_tokens == 0:  # scoring a given text (echo): nothing to generate
                 outputs[i] = completion(self.tokenizer, row, [], "length")
                 continue
-            temperature = float(p.get("temperature", 1.0) if p.get("temperature") is not None else 1.0)
-            key = ("greedy",) if temperature == 0 else ("sample", temperature, float(p.get("top_p") or 1.0),
-                                                        p.get("seed"))
+            key = ("greedy",) if row.temperature <= 0 else ("sample", row.temperature, row.top_p, row.seed)
             groups.setdefault(key, []).append(row)
+        if self.engine is not None:  # requests join and leave at every decoding step, whatever their sampling
+            self.engine.generate([row for rows in groups.values() for row in rows], outputs, hooks)
+            groups = {}
         for key, rows in groups.items():
-            if key == ("greedy",) and self.engine is not None:
-                self.engine.generate(rows, outputs, hooks)  # requests join and leave at every decoding step
-                continue
             for start in range(0, len(rows), self.max_batch):
                 self._generate(key, rows[start:start + self.max_batch], outputs, hooks)
         for i, (row, prompt) in scored.items():

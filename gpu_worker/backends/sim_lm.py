@@ -27,6 +27,7 @@ from typing import Any
 
 from gpu_worker.backends import Hooks, ItemError, PrefixCache
 from gpu_worker.backends.generation import Entry, Row, completion, with_logprobs
+from gpu_worker.backends.prefix_chains import held_prefixes
 from gpu_worker.backends.sim_lm_engine import (
     DEFAULT_KV_TOKENS,
     LLAMA2_7B,
@@ -35,7 +36,6 @@ from gpu_worker.backends.sim_lm_engine import (
     KVCache,
     Seq,
     Timing,
-    held_prefixes,
     run_static,
     static_groups,
 )

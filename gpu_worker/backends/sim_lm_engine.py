@@ -61,10 +61,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_worker.backends.generation import Row, StopText, completion
+from gpu_worker.backends.prefix_chains import Chain, Chains, held_prefixes
 from gpu_worker.backends.sim_lm_text import VOCAB, SimTokenizer, Text
-from tasks.policy.prefixes import CHUNK_CHARS
-
-CHAINS_KEPT = 1024  # prompts whose prefix keys the cache remembers, to say which are held (most recent kept)
 
 # -- the published figures the defaults come from (see the module docstring) --------------------------------
 LLAMA2_7B = {"layers": 32, "hidden": 4096, "params": 6_738_415_616, "context": 4096}
@@ -182,9 +180,7 @@ class KVCache:
         self.cached: OrderedDict[int, None] = OrderedDict()  # pages no sequence holds, least recently used first
         self.queried = 0  # whole prompt pages looked up on admission (counting from the start)
         self.hits = 0  # of those, found here: not prefilled
-        # prompts admitted lately, by their last prefix key: (their prefix keys, their page keys, the whole pages
-        # that cover each prefix key's text), most recent last
-        self.chains: OrderedDict[str, tuple[tuple[str, ...], list[int], list[int]]] = OrderedDict()
+        self.chains = Chains()  # prompts admitted lately, and the pages that cover each of their prefix keys
 
     @property
     def used(self) -> int:
@@ -256,42 +252,17 @@ class KVCache:
         return len(self.holders) + len(self.cached)
 
     def remember(self, seq: Seq) -> None:
-        """Note which pages cover each of ``seq``'s prefix keys (characters and tokens in proportion, one page
-        short at each key for safety), so :meth:`prefixes` can say which keys are held."""
-        if not seq.prefix or not self.sharing or not seq.input_chars or not seq.page_keys:
-            return
-        tokens_per_char = seq.prompt_len / seq.input_chars
-        per_key = [int((i + 1) * CHUNK_CHARS * tokens_per_char) // self.page_size - 1 for i in range(len(seq.prefix))]
-        last = seq.prefix[-1]
-        self.chains[last] = (seq.prefix, seq.page_keys, per_key)
-        self.chains.move_to_end(last)
-        while len(self.chains) > CHAINS_KEPT:
-            self.chains.popitem(last=False)
+        """Note which pages cover each of ``seq``'s prefix keys, so :meth:`prefixes` can say which are held."""
+        if self.sharing:
+            self.chains.remember(seq.prefix, seq.page_keys, seq.prompt_len, seq.input_chars, self.page_size)
 
-    def prefix_view(self) -> tuple[list[tuple[tuple[str, ...], list[int], list[int]]], frozenset[int]]:
+    def prefix_view(self) -> tuple[list[Chain], frozenset[int]]:
         """What :func:`held_prefixes` needs, copied (cheap) so that it can run outside the engine's lock."""
-        return list(self.chains.values()), frozenset(self.holders) | frozenset(self.cached)
+        return self.chains.view(), frozenset(self.holders) | frozenset(self.cached)
 
     def prefixes(self, limit: int) -> list[str]:
         """The prefix keys whose pages are all here now (held or cached), most recently admitted first."""
         return held_prefixes(*self.prefix_view(), limit)
-
-
-def held_prefixes(chains: list[tuple[tuple[str, ...], list[int], list[int]]], here: frozenset[int],
-                  limit: int) -> list[str]:
-    """Of the remembered chains (oldest first: keys, their pages, the pages each key needs), the keys whose
-    pages are all ``here``, most recently admitted first, at most ``limit``."""
-    out: dict[str, None] = {}
-    for keys, pages, per_key in reversed(chains):
-        if not pages or pages[0] not in here:
-            continue
-        for key, needed in zip(keys, per_key):  # (a chain's tail is evicted first: see release)
-            if needed < 1 or needed > len(pages) or pages[needed - 1] not in here:
-                break
-            out[key] = None
-        if len(out) >= limit:
-            break
-    return list(out)[:limit]
 
 
 # -- continuous batching ------------------------------------------------------------------------------------
