@@ -79,9 +79,20 @@ def test_python_and_torch_hashes_agree() -> None:
     assert _mix(torch.tensor(xs, dtype=torch.int64)).tolist() == [mix32(x) for x in xs]
 
 
+def test_the_noise_is_finite_for_every_hash_value() -> None:
+    """Every value the uniform is built from gives 0 < u < 1, so no token's noise is infinite (which would draw it
+    whatever its logit, and past top_p's cut)."""
+    top = torch.arange(1 << 23, dtype=torch.float32)
+    u = (top + 0.5) / float(1 << 23)
+    assert float(u.min()) > 0.0 and float(u.max()) < 1.0
+    big = gumbel_noise(torch.tensor([draw_key(s, t) for s in range(4) for t in range(4)], dtype=torch.int32),
+                       152_064)  # Qwen2.5's vocabulary
+    assert bool(torch.isfinite(big).all())
+
+
 def test_a_key_depends_on_seed_and_step() -> None:
-    keys = {draw_key(seed, step) for seed in (0, 1, -1, 2**62) for step in range(50)}
-    assert len(keys) == 200 and all(0 <= k < 2**31 for k in keys)
+    keys = {draw_key(seed, step) for seed in (0, 1, -1, 2**62, 2**63 - 1) for step in range(50)}
+    assert len(keys) == 250 and all(0 <= k < 2**31 for k in keys)
     assert draw_key(7, 3) == draw_key(7, 3)
 
 

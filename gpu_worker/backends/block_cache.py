@@ -21,6 +21,7 @@ from gpu_worker.backends.generation import Row
 from gpu_worker.backends.prefix_chains import Chains, held_prefixes
 
 REPORTED_KEYS = 2048  # prefix keys a heartbeat lists at most (the most recently admitted prompts' first)
+COUNTED_KEPT = 4096  # request ids remembered as counted (a cancelled one may be looked up after it ended)
 
 
 class _Hashed:
@@ -65,6 +66,8 @@ class BlockCounter:
             matched = int(search(request_id, prompt_ids))
             with self._lock:
                 if request_id not in self._counted:
+                    if len(self._counted) >= COUNTED_KEPT:
+                        self._counted.clear()
                     self._counted.add(request_id)
                     self.queries += (len(prompt_ids) - 1) // self.page_size
                     self.hits += matched // self.page_size
@@ -89,9 +92,12 @@ class BlockCounter:
             self._counted.discard(request_id)
 
     def figures(self) -> PrefixCache:
-        allocator = self._allocator()
-        if allocator is None:
+        self._wrap()
+        cache, allocator = self._cache(), self._allocator()
+        if cache is None or allocator is None:
             return PrefixCache(caching=True)
+        if not cache.use_prefix_sharing:  # e.g. a model with sliding-window layers: nothing is shared
+            return PrefixCache(caching=False)
         hashed = allocator.ledger.hash_to_block
         with self._lock:
             queries, hits, chains = self.queries, self.hits, self.chains.view()

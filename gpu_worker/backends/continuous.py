@@ -137,7 +137,7 @@ def sampling(row: Row) -> dict[str, Any]:
     """The per-request ``logit_processor_kwargs`` of a row: greedy is temperature 1, top_p 1 and no noise."""
     if row.temperature <= 0:
         return {"temperature": 1.0, "top_p": 1.0, "seed": NO_NOISE}
-    seed = secrets.randbits(63) if row.seed is None else row.seed % (1 << 63)
+    seed = secrets.randbits(63) if row.seed is None else row.seed % (1 << 64)
     return {"temperature": float(row.temperature), "top_p": float(row.top_p), "seed": seed}
 
 

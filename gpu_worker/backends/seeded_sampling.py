@@ -35,10 +35,20 @@ def mix32(x: int) -> int:
     return x ^ (x >> 16)
 
 
+M64 = 0xFFFFFFFFFFFFFFFF
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & M64
+    return x ^ (x >> 31)
+
+
 def draw_key(seed: int, step: int) -> int:
-    """The noise key of a request's ``step``-th generated token: 31 bits from its seed (any int) and the step."""
-    s = seed & 0xFFFFFFFFFFFFFFFF
-    return mix32(mix32(s ^ mix32(s >> 32)) + step * GOLDEN) & 0x7FFFFFFF
+    """The noise key of a request's ``step``-th generated token: 31 bits of a 64-bit hash of its seed (any int,
+    taken modulo 2**64) and the step, so that two seeds' keys are unrelated at every step."""
+    return _splitmix64(_splitmix64(seed & M64) ^ (step & M64)) & 0x7FFFFFFF
 
 
 def _mix(x: torch.Tensor) -> torch.Tensor:
@@ -55,7 +65,9 @@ def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     ids = torch.arange(vocab, dtype=torch.int64, device=keys.device).unsqueeze(0)  # [1, V]
     h = _mix(((ids * GOLDEN) & M32) ^ k)
     h = _mix(h ^ ((k * MIX) & M32))
-    u = ((h >> 8).to(torch.float32) + 0.5) / float(1 << 24)  # in (0, 1), never 0 or 1
+    # 23 bits: (k + 0.5) / 2**23 is exact in float32, so u stays inside (0, 1) (24 bits would round the top
+    # value up to 1.0: infinite noise, a token drawn whatever its logit)
+    u = ((h >> 9).to(torch.float32) + 0.5) / float(1 << 23)
     return -torch.log(-torch.log(u))
 
 
