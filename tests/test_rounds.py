@@ -27,7 +27,14 @@ class Door:
 
 
 def join_all(rounds: Rounds[int, int], pool: ThreadPoolExecutor, entries: range) -> list[Future[int]]:
-    return [pool.submit(rounds.join, e) for e in entries]
+    """Join each entry from its own thread while a round is in flight, one after the other: each is seated
+    before the next is sent (threads started together take their seats in whatever order they run)."""
+    futures = []
+    for e in entries:
+        seated = len(rounds._waiting) + 1
+        futures.append(pool.submit(rounds.join, e))
+        wait_for(lambda seated=seated: len(rounds._waiting) == seated, 5, f"call {e} seated")
+    return futures
 
 
 def test_calls_arriving_during_a_round_go_together_in_the_next_each_with_its_own_outcome() -> None:
