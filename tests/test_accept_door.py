@@ -1,11 +1,12 @@
 """The door at accept: a request on a just-accepted connection refused from the bytes already arrived, while the
-process is behind (a socket pair for the connection, a gate whose expected wait the test sets), or while the
-gateway holds a FULL verdict for its model and class (a stand-in for the gateway's verdicts, the real tenant
-directory on SQLite)."""
+process is behind (a socket pair for the connection, a gate whose expected wait the test sets), while the
+gateway holds a FULL verdict for its model and class, or as it arrives beyond what its model's line can answer
+in time (a stand-in for the gateway's verdicts and line, the real tenant directory on SQLite)."""
 from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -14,14 +15,16 @@ import pytest
 
 from tasks.config import Settings
 from tasks.errors import QueueFull
+from tasks.policy.room import Placed
 from tasks.policy.shedding import Door
 from tasks.schema import Priority
 from tasks.store.directory import TenantDirectory
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
 from webapp import worker
-from webapp.accept_door import AcceptDoor, HeldFull
+from webapp.accept_door import AcceptDoor, Lines
 from webapp.app import is_inference
+from webapp.worker import AtDoor
 
 
 class Gate:
@@ -107,10 +110,24 @@ def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_
 
 
 class Verdicts:
-    """Stands in for the gateway's held FULL verdicts: (model, class) -> the refusal it holds."""
+    """Stands in for the gateway's held FULL verdicts, (model, class) -> the refusal it holds, and for its view of
+    each line: ``room`` calls of a model and class are let in, the next refused."""
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, Priority], QueueFull] = {}
+        self.room: dict[tuple[str, Priority], int] = {}
+        self.placed: list[tuple[str, Priority, float]] = []
+
+    def place(self, model: str, priority: Priority, timeout_s: float) -> QueueFull | Placed:
+        self.placed.append((model, priority, timeout_s))
+        left = self.room.get((model, priority))
+        if left is None:
+            return Placed.UNKNOWN
+        if left <= 0:
+            return QueueFull("the service is full: no room to answer this request within its deadline",
+                             retry_after_s=3)
+        self.room[model, priority] = left - 1
+        return Placed.IN_LINE
 
     def holds_full(self) -> bool:
         return bool(self.held)
@@ -129,7 +146,7 @@ def tenants(tmp_path: Path) -> tuple[KeyStore, TenantDirectory]:
 
 def held_door(verdicts: Verdicts, directory: TenantDirectory, auth: str = "none") -> AcceptDoor:
     door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog)
-    held = HeldFull(verdicts, directory, Settings.of(auth=auth))  # type: ignore[arg-type]
+    held = Lines(verdicts, directory, Settings.of(auth=auth))  # type: ignore[arg-type]
     return AcceptDoor(door, is_inference, held)
 
 
@@ -219,3 +236,80 @@ def test_a_light_caller_is_not_held_to_a_floods_full_verdict(tenants: tuple[KeyS
     assert accept(flood)
     flood.close()
     assert answer(client)[2]["error"]["type"] == "queue_full"  # type: ignore[index]
+
+
+def test_an_arriving_call_is_placed_in_its_line_and_refused_from_its_bytes_beyond_it(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    """As its bytes arrive, a call the door can read is judged by its place in its model's line: let in (and
+    counted) while the line has room for it in the time it has left, refused from its bytes beyond it; a call of
+    a light caller, or one the door cannot read, goes the usual way without a place."""
+    _store, directory = tenants
+    directory.policy("default")
+    verdicts = Verdicts()
+    verdicts.room["sim", Priority.INTERACTIVE] = 2
+    accept = held_door(verdicts, directory)
+    arrived = time.monotonic() - 1.0  # it arrived a second ago: its deadline counts from then
+    for _ in range(2):
+        _, server = connection(request({"input": "hello", "timeout_ms": 5000}))
+        assert accept(server, arriving=True, arrived_at=arrived) is AtDoor.IN_LINE
+        assert server.recv(65536, socket.MSG_PEEK).startswith(b"POST")  # nothing taken off the socket
+    model, priority, left_s = verdicts.placed[0]
+    assert (model, priority) == ("sim", Priority.INTERACTIVE) and 3.9 < left_s <= 4.0
+    client, server = connection(request({"input": "hello"}))
+    assert accept(server, arriving=True) is AtDoor.REFUSED
+    server.close()
+    status, headers, body = answer(client)
+    assert status == "HTTP/1.1 429 Too Many Requests" and headers["Retry-After"] == "3"
+    assert headers["Connection"] == "close" and body["error"]["type"] == "queue_full"  # type: ignore[index]
+    assert accept.door.callers.recent("") == 3  # every arrival counted towards who sends what
+
+    placed = len(verdicts.placed)
+    _, offline = connection(request({"input": "hello", "priority": "offline"}))
+    assert accept(offline, arriving=True) is AtDoor.USUAL  # nothing known of that line: the usual way
+    for _ in range(50):
+        accept.door.callers.arrived("flood")
+    _, light = connection(request({"input": "hello"}, tenant="steady"))
+    assert accept(light, arriving=True) is AtDoor.USUAL  # a light caller is not held to the flood's line
+    _, not_json = connection(b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 8\r\n\r\nnot json")
+    assert accept(not_json, arriving=True) is AtDoor.USUAL  # its 400 comes the usual way
+    assert len(verdicts.placed) == placed + 1  # the offline call was placed; the others never were
+
+
+def test_a_body_a_moment_behind_its_headers_is_placed_on_arrival_all_the_same(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    """aiohttp writes a request's headers and its body separately: the door looks again for a moment rather than
+    letting such a call through unjudged."""
+    _store, directory = tenants
+    directory.policy("default")
+    verdicts = Verdicts()
+    verdicts.room["sim", Priority.INTERACTIVE] = 0
+    accept = held_door(verdicts, directory)
+    data = request({"input": "hello"})
+    head_end = data.index(b"\r\n\r\n") + 4
+    client, server = connection(data[:head_end])
+    threading.Timer(0.001, client.sendall, args=(data[head_end:],)).start()
+    assert accept(server, arriving=True) is AtDoor.REFUSED
+    _, partial = connection(request({"input": "hello"}, cut=3))  # the rest never comes: the usual way, soon
+    started = time.monotonic()
+    assert accept(partial, arriving=True) is AtDoor.USUAL
+    assert time.monotonic() - started < 0.5
+
+
+def test_a_call_let_in_by_its_line_is_refused_at_its_turn_only_when_late(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    """Its place was judged when it arrived: at its turn the gate's expected wait does not judge it again, only
+    the door's bound on how late the process got to it."""
+    _store, directory = tenants
+    directory.policy("default")
+    gate = Gate()
+    gate.wait_s = 5.0
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog, gate=gate)
+    accept = AcceptDoor(door, is_inference, Lines(Verdicts(), directory, Settings.of()))  # type: ignore[arg-type]
+    _, server = connection(request({"input": "hello"}))
+    assert accept(server, 0.5) is AtDoor.REFUSED  # not let in by its line: the expected wait refuses it
+    _, server = connection(request({"input": "hello"}))
+    assert accept(server, 0.5, in_line=True) is AtDoor.USUAL
+    client, server = connection(request({"input": "hello"}))
+    assert accept(server, 1.5, in_line=True) is AtDoor.REFUSED
+    server.close()
+    assert answer(client)[2]["error"]["type"] == "overloaded"  # type: ignore[index]

@@ -62,7 +62,9 @@ def test_retry_after_is_the_time_the_work_ahead_takes_to_drain() -> None:
     assert retry_after_s(10**6, [w(250.0)]) == 60  # nor above a minute
 
 
-def test_a_refusal_for_room_says_how_much_is_ahead() -> None:
+def test_each_verdict_says_how_much_the_model_holds() -> None:
+    """A refusal for room says how much is ahead (the Retry-After); an admission, how much the model holds with
+    the call in (the next call's place: the API process's view of the line, tasks.policy.room)."""
     client = redis.Redis.from_url(REDIS_URL)
     ns = f"adm{uuid.uuid4().hex[:8]}"
     adm = Admission(client, f"{ns}:inflight", 1000, f"{ns}:quarantine", instance="api-1")
@@ -74,9 +76,11 @@ def test_a_refusal_for_room_says_how_much_is_ahead() -> None:
         return decision.verdict, decision.ahead
 
     try:
-        assert admit(7, Ticket("a", "sim"), model_cap=10, tenant_cap=100) == (Verdict.OK, 0)
+        assert admit(7, Ticket("a", "sim"), model_cap=10, tenant_cap=100) == (Verdict.OK, 7)
         assert admit(4, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (Verdict.FULL, 7)  # the model's set
+        assert admit(2, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (Verdict.OK, 9)
         assert admit(1, Ticket("a", "sim"), model_cap=100, tenant_cap=7) == (Verdict.TENANT_FULL, 7)  # the tenant's
+        assert admit(1, Ticket("c", "sim", Priority.OFFLINE), model_cap=100, tenant_cap=7) == (Verdict.OK, 10)
     finally:
         for key in client.scan_iter(f"{ns}:*"):
             client.delete(key)

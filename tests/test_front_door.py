@@ -27,8 +27,11 @@ from flask.testing import FlaskClient
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput, QueueFull
+from tasks.gateway.gateway import ROOM_ADMITS_PER_S
+from tasks.policy.capacity import deadline_cap
 from tasks.policy.refusal import FULL_HOLD_S
-from tasks.schema import Priority
+from tasks.policy.room import Placed
+from tasks.schema import Priority, WorkerInfo
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
 from tests.fakes import FakeClock
@@ -214,6 +217,35 @@ def test_a_full_verdict_is_held_for_a_moment_for_the_calls_of_its_model_and_clas
     assert gateway.held_full("other", Priority.INTERACTIVE) is None
     gateway._full["sim", Priority.INTERACTIVE] = (time.monotonic() - 0.001, full)
     assert not gateway.holds_full() and gateway.held_full("sim", Priority.INTERACTIVE) is None
+
+
+def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(tmp_path: Path) -> None:
+    """The gateway's view of a line (Gateway.place): calls arriving at once are let in, counted for each of the
+    two API processes sharing the load, while the fleet could answer them within their time left at their turn;
+    the next is refused with the admission script's own refusal. A verdict puts the model's real count in."""
+    database_url = f"sqlite:///{tmp_path / 'keys.db'}"
+    Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
+    app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
+                                                  "database_url": database_url, "web_workers": 2}))
+    gateway = services(app).gateway
+    assert gateway.place("sim", Priority.INTERACTIVE, 5.0) is Placed.UNKNOWN  # no live worker known: the usual way
+    workers = [WorkerInfo(id="gpu0@h", queue="q", model="sim", max_batch=100, state="idle", outstanding=0,
+                          completed=1, batch_started_at=None, batch_ms_estimate=250.0, heartbeat_at=time.time())]
+    gateway.workers.last = workers  # one 400/s worker, as the cached view has it
+    placed = [gateway.place("sim", Priority.INTERACTIVE, 5.0) for _ in range(2000)]
+    let_in = placed.count(Placed.IN_LINE)
+    assert placed[:let_in] == [Placed.IN_LINE] * let_in  # in arrival order
+    refused = placed[let_in]
+    assert isinstance(refused, QueueFull) and refused.type == "queue_full" and (refused.retry_after_s or 0) >= 1
+    cap_now = deadline_cap(workers, 5.0, gateway.settings.admission.cap)
+    at_turn = deadline_cap(workers, 5.0 - let_in / ROOM_ADMITS_PER_S, gateway.settings.admission.cap)
+    assert 2 * let_in <= cap_now  # never past what the script would admit for the whole timeout
+    assert 2 * (let_in + 1) > at_turn >= 2 * let_in  # all that fit by their turn, and no more
+    assert gateway.place("sim", Priority.OFFLINE, 5.0) is Placed.IN_LINE  # another class: another line
+    shorter = [gateway.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
+    assert 0 < shorter < let_in  # less time, less room
+    gateway.room.decided(("sim", Priority.INTERACTIVE), 0, 400.0)  # a verdict: the model holds nothing after all
+    assert gateway.room.place(("sim", Priority.INTERACTIVE)) == 2 * (let_in - 1)
 
 
 def _gunicorn_conf(**env: object) -> dict[str, int]:

@@ -56,3 +56,21 @@ def test_the_expected_wait_is_the_line_at_the_measured_rate() -> None:
     wait_until(lambda: intake.rate < bound)  # a tick spent behind is measured (a tick lasts at least tick_s)
     gevent.joinall(greenlets, timeout=5)
     assert intake.waiting == 0 and intake.expected_wait_s() == 0.0
+
+
+def test_a_request_refused_at_its_turn_gives_its_token_back() -> None:
+    """A refusal at a request's turn is one write: the next in line takes its token at once, not a tick later."""
+    intake = Intake(per_tick=2, tick_s=0.5)
+    started: list[int] = []
+
+    def request(i: int) -> None:
+        intake.take()
+        started.append(i)
+        if i < 2:
+            intake.give_back()  # the first two are refused at their turn
+
+    greenlets = [gevent.spawn(request, i) for i in range(4)]
+    wait_until(lambda: len(started) == 4, timeout_s=0.4)  # all within the first tick
+    gevent.joinall(greenlets, timeout=5)
+    intake.give_back()
+    assert intake._tokens.counter <= intake.per_tick  # never more tokens than a tick holds

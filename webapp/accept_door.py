@@ -1,28 +1,40 @@
-"""The door at accept: while the process is behind, or a FULL verdict is fresh, an inference request is refused
-from its bytes already arrived, before gunicorn parses it or a greenlet is spawned for it."""
+"""The door at accept: an inference request refused from its bytes already arrived, before gunicorn parses it or
+Flask takes it: as it arrives, when its model's line is longer than the fleet can answer in its time; and
+while the process is behind or a FULL verdict is fresh."""
 from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import gevent
 
 from tasks.config import Settings
 from tasks.errors import QueueFull
+from tasks.policy.room import Placed
 from tasks.policy.shedding import Door
 from tasks.schema import Priority
 from webapp.door import refusal
-from webapp.peek import Peeked, peek_request, tenant_of
+from webapp.peek import Peeked, partly_arrived, peek_request, tenant_of
 from webapp.validation import asks_offline, bearer_token, named_tenant, priority_class
+from webapp.worker import AtDoor
 
 if TYPE_CHECKING:
     from tasks.gateway.gateway import Gateway
     from tasks.store.directory import TenantDirectory
 
 
+BODY_WAIT_TRIES = 3  # an arriving request whose body is not all there yet is looked at again this many times...
+BODY_WAIT_S = 0.002  # ... this far apart
+
+
 class AcceptDoor:
     """The door at accept: while the process is behind, a request is refused from its bytes already arrived,
-    before gunicorn parses it or a greenlet is spawned for it.
+    before gunicorn parses it or a greenlet is spawned for it; and so is one arriving beyond what its model's
+    line can answer in time (:class:`Lines`), before it waits its turn at intake.
 
     Under a flood the refusals are most of the work: at three times the capacity of one 250 ms device, two
     API processes refuse 800 requests a second, and gunicorn's parsing, the WSGI environ and the response cost
@@ -32,30 +44,49 @@ class AcceptDoor:
     all arrived yet, no Content-Length, chunked, not an inference call) goes the usual way, to be refused or let
     in by :class:`DoorMiddleware` with the same rules."""
 
-    def __init__(self, door: Door, is_inference: Callable[[str], bool], held: HeldFull | None = None) -> None:
+    def __init__(self, door: Door, is_inference: Callable[[str], bool], lines: Lines | None = None) -> None:
         self.door = door
         self.is_inference = is_inference
-        self.held = held
+        self.lines = lines
 
-    def __call__(self, sock: socket.socket, delay: float | None = None) -> bool:
+    def __call__(self, sock: socket.socket, delay: float | None = None, *, arriving: bool = False,
+                 arrived_at: float | None = None, in_line: bool = False) -> AtDoor:
         """Refuse the request on this connection if the door would (by its ``delay`` so far, or by the delay
-        expected now), or the gateway would for want of room (True: answered; the caller closes the connection)."""
-        behind = self.door.behind_at_accept(delay)
-        if not behind and (self.held is None or not self.held.any()):
-            return False
-        request = peek_request(sock)
+        expected now), or the gateway would for want of room (REFUSED: answered; the caller closes the
+        connection).
+
+        ``arriving``: its bytes have just come (it arrived at ``arrived_at``, where its deadline starts; None:
+        now), and it is judged by its place in its model's line (:class:`Lines`): IN_LINE when that let it in.
+        ``in_line``: such a request at its turn, ``delay`` after its arrival: only lateness refuses it then (its
+        line was judged when it arrived; the expected wait at the gate would judge it twice)."""
+        judging = arriving and self.lines is not None
+        late_only = in_line and delay is not None
+        behind = self.door.lateness(delay).late if late_only else self.door.behind_at_accept(delay)  # type: ignore[arg-type]
+        if not behind and not judging and (self.lines is None or not self.lines.any_held()):
+            return AtDoor.USUAL
+        request = _arrived_whole(sock) if judging else peek_request(sock)
         if request is None or not self.is_inference(request.path):
-            return False
+            return AtDoor.USUAL
         caller = request.headers.get("authorization") or request.headers.get("x-tenant") or tenant_of(request.body)
-        # a light caller is not held to a flood's FULL verdict (the gateway lets it past: it is served fairly)
-        light = self.door.callers.light(caller)
-        error: QueueFull | None = None if self.held is None or light else self.held.refusal(request)
-        if error is not None:
-            self.door.callers.arrived(caller)  # counted as if it had entered, as the gateway's refusal would be
-        elif behind:
+        if judging:  # every arrival counts towards who sends what (its entry at the door counts it again)
+            self.door.callers.arrived(caller)
+        # a light caller is held neither to a flood's FULL verdict nor to its line (the gateway lets it past: it
+        # is served fairly)
+        call = None if self.lines is None or self.door.callers.light(caller) else self.lines.judged(request)
+        error: QueueFull | None = None if call is None else self.lines.held(call)  # type: ignore[union-attr]
+        if error is None and behind:
             error = self.door.refusal_at_accept(caller, delay)
+        elif error is not None and not judging:
+            self.door.callers.arrived(caller)  # counted as if it had entered, as the gateway's refusal would be
+        outcome = AtDoor.USUAL
+        if error is None and judging and call is not None:
+            placed = self.lines.place(call, arrived_at)  # type: ignore[union-attr]
+            if isinstance(placed, QueueFull):
+                error = placed
+            elif placed is Placed.IN_LINE:
+                outcome = AtDoor.IN_LINE
         if error is None:
-            return False
+            return outcome
         headers, body = refusal(error, request.path, request.headers.get("x-request-id"))
         head = "".join(f"{k}: {v}\r\n" for k, v in [*headers, ("Connection", "close")])
         try:
@@ -64,30 +95,65 @@ class AcceptDoor:
             sock.sendall(f"HTTP/1.1 {error.status} Too Many Requests\r\n{head}\r\n".encode("latin-1") + body)
         except OSError:
             pass  # the caller is gone, or the response did not fit at once: it is closed all the same
-        return True
+        return AtDoor.REFUSED
 
 
-class HeldFull:
-    """The gateway's fresh FULL verdicts (:meth:`tasks.gateway.gateway.Gateway.held_full`), applied at accept.
+def _arrived_whole(sock: socket.socket) -> Peeked | None:
+    """The request arriving on ``sock``, looked at again a few times while its body is a moment behind its
+    headers (clients that write them separately); None if it is not all there by then (the usual way)."""
+    request = peek_request(sock)
+    for _ in range(BODY_WAIT_TRIES):
+        if request is not None or not partly_arrived(sock):
+            break
+        gevent.sleep(BODY_WAIT_S)
+        request = peek_request(sock)
+    return request
 
-    Under a flood most calls are refused for want of room, and for a few milliseconds after each such verdict the
-    gateway refuses every call of that model and class with it, after gunicorn, Flask, authentication and the
-    body's parsing have run (about half a millisecond each). Here the same refusal goes out from the request's
-    bytes when the door can tell its model and class without I/O: the model from the body (or the default), the
-    class from the body and the caller's tenant as the caches know it. A caller they do not know yet (a key not
-    looked up, a tenant not seen), a body that is not a small JSON object, or a retry with an Idempotency-Key
-    (it may be answered from its first call) goes the usual way."""
+
+@dataclass(frozen=True)
+class Judged:
+    """What the door can tell of a call from its bytes alone."""
+
+    model: str
+    priority: Priority
+    timeout_s: float
+
+
+class Lines:
+    """The gateway's view of each model's line, applied at accept: its fresh FULL verdicts
+    (:meth:`tasks.gateway.gateway.Gateway.held_full`) and the place a request arriving now would take
+    (:meth:`tasks.gateway.gateway.Gateway.place`).
+
+    Under a flood most calls are refused for want of room, after gunicorn, Flask, authentication and the body's
+    parsing have run (about half a millisecond each), and under a burst only once their turn at admission has
+    come (seconds). Here the same refusal goes out from the request's bytes as they arrive, when the door can
+    tell its model, class and timeout without I/O: the model from the body (or the default), the class from the
+    body and the caller's tenant as the caches know it. A caller they do not know yet (a key not looked up, a
+    tenant not seen), a body that is not a small JSON object, or a retry with an Idempotency-Key (it may be
+    answered from its first call) goes the usual way."""
 
     def __init__(self, gateway: Gateway, tenants: TenantDirectory, settings: Settings) -> None:
         self.gateway = gateway
         self.tenants = tenants
         self.default_model = settings.models.default_model
+        self.default_timeout_s = settings.admission.default_timeout_ms / 1000
         self.keys = settings.tenants.auth != "none"
 
-    def any(self) -> bool:
+    def any_held(self) -> bool:
         return self.gateway.holds_full()
 
-    def refusal(self, request: Peeked) -> QueueFull | None:
+    def held(self, call: Judged) -> QueueFull | None:
+        """The FULL verdict the gateway holds for the call's model and class, while it is fresh."""
+        return self.gateway.held_full(call.model, call.priority)
+
+    def place(self, call: Judged, arrived_at: float | None = None) -> QueueFull | Placed:
+        """The call's place in its model's line (:meth:`tasks.gateway.gateway.Gateway.place`), with the time it
+        has left (its deadline counts from ``arrived_at``; None: now)."""
+        waited = 0.0 if arrived_at is None else max(0.0, time.monotonic() - arrived_at)
+        return self.gateway.place(call.model, call.priority, call.timeout_s - waited)
+
+    def judged(self, request: Peeked) -> Judged | None:
+        """The call's model, class and timeout, when they can be told from its bytes and the caches."""
         if "idempotency-key" in request.headers:
             return None
         try:
@@ -98,6 +164,7 @@ class HeldFull:
             return None
         native = request.path == "/v1/infer"
         model = body.get("model", self.default_model if native else None)
+        timeout_ms = body.get("timeout_ms")
         if not isinstance(model, str):
             return None
         if self.keys:
@@ -110,6 +177,10 @@ class HeldFull:
         if known is None:
             return None
         asked = Priority.OFFLINE if asks_offline(body, openai=not native) else Priority.INTERACTIVE
-        return self.gateway.held_full(model, priority_class(asked, known))
-
-
+        if timeout_ms is None:
+            timeout_s = self.default_timeout_s
+        elif isinstance(timeout_ms, (int, float)) and not isinstance(timeout_ms, bool) and timeout_ms > 0:
+            timeout_s = timeout_ms / 1000
+        else:
+            return None  # its 400 comes the usual way
+        return Judged(model, priority_class(asked, known), timeout_s)

@@ -21,7 +21,7 @@ from tasks.logs import setup_logging
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, count_refusal
 from tasks.state.records import Shape
 from webapp import admin_api, answers, batch_api, openai_api, openapi, requests_api, tenancy, worker
-from webapp.accept_door import AcceptDoor, HeldFull
+from webapp.accept_door import AcceptDoor, Lines
 from webapp.body import read_json
 from webapp.door import DoorMiddleware
 from webapp.errors import register_error_handlers
@@ -42,7 +42,7 @@ def create_app(settings: Settings | None = None) -> Flask:
     app.extensions[EXTENSION] = built
     app.wsgi_app = DoorMiddleware(app.wsgi_app, built.door, is_inference)  # type: ignore[method-assign]
     # the same door, and the gateway's held refusals, before gunicorn parses a request
-    worker.at_accept = AcceptDoor(built.door, is_inference, HeldFull(built.gateway, built.tenants, settings))
+    worker.at_accept = AcceptDoor(built.door, is_inference, Lines(built.gateway, built.tenants, settings))
 
     @app.before_request
     def _correlate() -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import json
 import socket
+import struct
 import time
 from collections.abc import Callable
 from typing import Any
@@ -60,15 +61,17 @@ class IdleConnections:
         self._waiting: set[gevent.Greenlet] = set()
 
     def wait(self, sock: socket.socket, timeout_s: float, kept: bool = True) -> float | None:
-        """Wait until ``sock`` has bytes to read: when they were seen (monotonic; 0.0 when they were there
-        already), or None when ``timeout_s`` passed, the client closed or (a ``kept`` connection, idle after
-        an answer) the worker stops. A new connection's first request is waited for even then: its client
-        has connected to send it."""
+        """Wait until ``sock`` has bytes to read: when they arrived (monotonic: the kernel's stamp of the first
+        byte, see :func:`stamp_arrivals`; without one, 0.0 when they were there already, or when they were seen),
+        or None when ``timeout_s`` passed, the client closed or (a ``kept`` connection, idle after an answer) the
+        worker stops. A new connection's first request is waited for even then: its client has connected to send
+        it."""
         timeout = sock.gettimeout()
         try:
             sock.settimeout(0.0)
             try:
-                return 0.0 if sock.recv(1, socket.MSG_PEEK) else None
+                got, stamp = _peek_stamped(sock)
+                return stamp if got else None
             except BlockingIOError:
                 pass
             if kept and self.stopping:
@@ -78,7 +81,8 @@ class IdleConnections:
                 self._waiting.add(me)
             try:
                 sock.settimeout(timeout_s)
-                return time.monotonic() if sock.recv(1, socket.MSG_PEEK) else None
+                got, stamp = _peek_stamped(sock)
+                return (stamp or time.monotonic()) if got else None
             finally:
                 self._waiting.discard(me)
         except (_Stopping, OSError):  # socket.timeout is an OSError
@@ -94,6 +98,31 @@ class IdleConnections:
 
 IDLE = IdleConnections()
 
+# SO_TIMESTAMPNS (Linux): each read carries the time its bytes reached the host, on the realtime clock
+SO_TIMESTAMPNS = getattr(socket, "SO_TIMESTAMPNS", 35)
+_STAMP_SPACE = socket.CMSG_SPACE(16)
+
+
+def stamp_arrivals(listener: socket.socket) -> None:
+    """Have the kernel stamp the bytes of every connection ``listener`` accepts with their arrival time.
+
+    A client that opens many connections at once and writes its requests later (aiohttp does, and on a busy
+    client the gap is seconds) would otherwise have its requests timed from the connection's accept, or from
+    when this process got round to looking, neither of which is when the request came."""
+    with contextlib.suppress(OSError):
+        listener.setsockopt(socket.SOL_SOCKET, SO_TIMESTAMPNS, 1)
+
+
+def _peek_stamped(sock: socket.socket) -> tuple[bool, float]:
+    """Whether a byte is there to read (without taking it), and when it arrived (monotonic; 0.0 when the kernel
+    gave no stamp)."""
+    data, ancillary, _, _ = sock.recvmsg(1, _STAMP_SPACE, socket.MSG_PEEK)
+    for level, kind, raw in ancillary:
+        if level == socket.SOL_SOCKET and kind == SO_TIMESTAMPNS and len(raw) >= 16:
+            seconds, nanoseconds = struct.unpack("qq", raw[:16])
+            return bool(data), time.monotonic() - (time.time() - (seconds + nanoseconds / 1e9))
+    return bool(data), 0.0
+
 
 class NextRequest:
     """The wait for one request on a connection (gunicorn's ``timeout_ctx``): the idle wait for its first byte on
@@ -106,7 +135,7 @@ class NextRequest:
 
     def __init__(self, sock: socket.socket, parser: Any, idle_s: float, header_s: float, body_s: float,
                  arrived: Callable[[float], None], first: bool = False, intake: Intake | None = None,
-                 refuse: Callable[[socket.socket, float | None], bool] | None = None) -> None:
+                 refuse: Callable[[socket.socket, float | None, bool], bool] | None = None) -> None:
         self.sock = sock
         self.intake = intake
         self.refuse = refuse  # the door refusing from the bytes (webapp.door.AcceptDoor): True if it answered
@@ -129,26 +158,28 @@ class NextRequest:
             if seen is None:
                 raise StopIteration("idle")  # gunicorn's keep-alive loop closes the connection
             if seen:
-                self.arrived(seen)  # it came after the process was ready for it: its own time, not the accept's
+                self.arrived(seen)  # when it came (the kernel's stamp), or when the process saw it
         if self.intake is not None:
-            # behind (others wait their turn): a request that would wait too long is refused now, from its bytes,
-            # not after its turn and a full parse; the others are taken in at the process's pace, in arrival order
+            # a request that would wait too long, or that its model's line cannot answer in time, is refused now,
+            # from its bytes, not after its turn and a full parse; the others are taken in at the process's pace,
+            # in arrival order
             self._refuse_if_behind(None)
             waited = self.intake.take()
             if waited is not None:
-                self._refuse_if_behind(waited)  # it waited in line: its turn may have come later than the door allows
+                try:  # it waited in line: its turn may have come later than the door allows
+                    self._refuse_if_behind(waited)
+                except StopIteration:
+                    self.intake.give_back()  # a refusal is one write: the next in line need not wait a tick
+                    raise
         self.timer = gevent.Timeout(self.header_s, self.expired)
         self.timer.start()
         return self
 
     def _refuse_if_behind(self, waited_s: float | None) -> None:
-        """Let the door refuse the request from its bytes while the process is behind: by the line ahead of it
-        (None: it has not waited yet; only while others wait), or by the time it waited for its turn."""
-        assert self.intake is not None
-        if waited_s is None and not self.intake.waiting:
-            return
-        if self.refuse is not None and self.refuse(self.sock, waited_s):
-            raise StopIteration("refused from its bytes: the process is behind")
+        """Let the door refuse the request from its bytes: as it arrives (None: by its place in its model's line,
+        and by the line ahead of it in this process), or by the time it waited for its turn."""
+        if self.refuse is not None and self.refuse(self.sock, waited_s, waited_s is None):
+            raise StopIteration("refused from its bytes")
 
     def _buffered(self) -> int:
         """Bytes of the next request the parser has already read ahead (a pipelined request: no wait)."""

@@ -7,6 +7,7 @@ import socket
 from dataclasses import dataclass
 
 PEEK_MAX_BYTES = 16_384  # a body the door may read to find its tenant: a small one, all there already
+PEEK_BYTES = PEEK_MAX_BYTES + 8192  # ... with its headers
 _TENANT = re.compile(rb'"tenant"\s*:\s*"([^"\\]{1,64})"')
 
 
@@ -21,16 +22,9 @@ class Peeked:
 def peek_request(sock: socket.socket) -> Peeked | None:
     """The request already arrived on a new connection, read without taking it off the socket (None: not all
     there, or not a plain POST with a Content-Length)."""
-    timeout = sock.gettimeout()
-    try:
-        sock.settimeout(0.0)
-        data = sock.recv(PEEK_MAX_BYTES + 8192, socket.MSG_PEEK)
-    except OSError:
-        return None
-    finally:
-        sock.settimeout(timeout)
-    end = data.find(b"\r\n\r\n")
-    if end < 0:
+    data = _waiting_bytes(sock)
+    end = -1 if data is None else data.find(b"\r\n\r\n")
+    if data is None or end < 0:
         return None
     request_line, *lines = data[:end].decode("latin-1").split("\r\n")
     method, _, rest = request_line.partition(" ")
@@ -48,6 +42,28 @@ def peek_request(sock: socket.socket) -> Peeked | None:
     if method != "POST" or "transfer-encoding" in headers or length < 0 or len(data) < size:
         return None
     return Peeked(rest.split(" ", 1)[0].split("?", 1)[0], headers, data[end + 4:size], size)
+
+
+def partly_arrived(sock: socket.socket) -> bool:
+    """Whether the start of a request is there but not all of it yet (its body a moment behind its headers, as
+    clients that write them separately send it)."""
+    data = _waiting_bytes(sock)
+    if not data or len(data) >= PEEK_BYTES:
+        return False
+    end = data.find(b"\r\n\r\n")
+    return end < 0 or b"content-length" in data[:end].lower()
+
+
+def _waiting_bytes(sock: socket.socket) -> bytes | None:
+    """What has arrived on ``sock`` so far (up to PEEK_BYTES), left there; None when it cannot be read."""
+    timeout = sock.gettimeout()
+    try:
+        sock.settimeout(0.0)
+        return sock.recv(PEEK_BYTES, socket.MSG_PEEK)
+    except OSError:
+        return None
+    finally:
+        sock.settimeout(timeout)
 
 
 def tenant_of(body: bytes) -> str:

@@ -1,10 +1,12 @@
-"""gunicorn's gevent worker, noting when each connection was accepted, and accepting eagerly.
+"""gunicorn's gevent worker, noting when each request arrived, and accepting eagerly.
 
-Under a burst the time between accepting a connection and running its handler (parsing, waiting for the CPU)
-can be seconds. A deadline counted from the handler's start would then be answered after the caller's own
-deadline; counted from the accept, it is not, and the door (:mod:`webapp.door`) refuses a request its process
-got to too late. The first request of a connection is timed from its accept; later ones on a kept-alive
-connection from when their handler starts (their client sent them just then).
+Under a burst the time between a request's arrival and its handler (parsing, waiting for the CPU) can be
+seconds. A deadline counted from the handler's start would then be answered after the caller's own deadline;
+counted from the arrival, it is not, and the door (:mod:`webapp.door`) refuses a request its process got to
+too late. A request arrives when its first byte reaches the host: the kernel stamps it (``SO_TIMESTAMPNS``,
+:func:`webapp.connections.stamp_arrivals`), so neither the process's own delay in looking nor a client's delay
+between connecting and writing (seconds, for a busy client opening thousands of connections) is mistimed; or
+at its connection's accept, if that came later (:func:`arrived_at`).
 
 Two changes to gunicorn's gevent server make that wait visible:
 
@@ -28,6 +30,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 import gevent
@@ -51,11 +54,22 @@ ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
 CLOSING_STATUSES = frozenset({408, 413, 507})
 
 
+class AtDoor(Enum):
+    """What the door at accept did with a request (true only when it answered it)."""
+
+    USUAL = "usual"  # nothing: the request goes the usual way (gunicorn, the door middleware, Flask)
+    REFUSED = "refused"  # answered from its bytes; the connection is closed
+    IN_LINE = "in_line"  # let in by its place in its model's line: at its turn only lateness refuses it
+
+    def __bool__(self) -> bool:
+        return self is AtDoor.REFUSED
+
+
 # What may refuse a request from its bytes, before it is parsed (the app's webapp.door.AcceptDoor, set by
-# create_app): on a just-accepted connection before a greenlet is spawned for it, and at intake with the time
-# the request waited for its turn (None: by the process's backlog). True when it answered; the connection is
-# then closed.
-at_accept: Callable[[Any, float | None], bool] | None = None
+# create_app): on a just-accepted connection before a greenlet is spawned for it, as its bytes arrive (by the
+# process's backlog and its model's line: ``arriving``, with its arrival time), and at intake with the time the
+# request waited for its turn (``in_line``: let in by its line on arrival).
+at_accept: Callable[..., AtDoor] | None = None
 _unstarted: OrderedDict[object, float] = OrderedDict()  # accepted connections whose greenlet has not run yet
 INTAKE: Intake | None = None  # the worker process's pace of intake (made in the worker, after the fork)
 
@@ -71,19 +85,29 @@ def backlog() -> tuple[int, float]:
     return len(_unstarted) + INTAKE.waiting, max(unstarted_s, INTAKE.expected_wait_s())
 
 
-def _refused_at_accept(sock: Any, waited_s: float | None = None) -> bool:
-    """Whether :data:`at_accept` answered the request on ``sock``; a defect of its own sends the request the usual
-    way (logged), never takes the connection down."""
+def _refused_at_accept(sock: Any, waited_s: float | None = None, arriving: bool = False) -> bool:
+    """Whether :data:`at_accept` answered the request on ``sock``: just accepted (no greenlet yet), ``arriving``
+    (its bytes have just come, on the connection's greenlet), or at its turn (``waited_s``). A defect of its own
+    sends the request the usual way (logged), never takes the connection down."""
     assert at_accept is not None
     try:
-        return at_accept(sock, waited_s)
+        if arriving:
+            _connection.in_line = False
+            arrived = arrived_at(getattr(_connection, "accepted_at", None), getattr(_connection, "seen_at", None))
+            outcome = at_accept(sock, waited_s, arriving=True, arrived_at=arrived)
+            _connection.in_line = outcome is AtDoor.IN_LINE
+        elif waited_s is not None:
+            outcome = at_accept(sock, waited_s, in_line=getattr(_connection, "in_line", False))
+        else:
+            outcome = at_accept(sock)
+        return bool(outcome)
     except Exception:
         logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
         return False
 
 
 class _TimedServer(StreamServer):
-    """gevent's StreamServer, accepting in batches and stamping each connection with its accept time."""
+    """gevent's StreamServer, accepting in batches and noting each connection's accept time."""
 
     max_accept = property(lambda self: ACCEPT_BATCH, lambda self, value: None)  # gunicorn's 1 is ignored
 
@@ -190,6 +214,8 @@ class ArrivalTimingWorker(GeventWorker):
         global INTAKE
         INTAKE = Intake()
         gevent.spawn(self._close_idle_when_stopping)
+        for listener in self.sockets:
+            connections.stamp_arrivals(listener)
         super().run()
 
     def _close_idle_when_stopping(self) -> None:
@@ -231,15 +257,23 @@ class ArrivalTimingWorker(GeventWorker):
 def arrival() -> tuple[float, float]:
     """When the request now being handled arrived, and when this process could first have got to it (monotonic).
 
-    The first request of a connection arrived at its accept; the process could get to it from then on, or
-    from when its first byte was seen if the process had to wait for it (a client that connects and sends
-    later). A later request on a kept-alive connection arrived when its first byte was seen, or now when it
-    was there already. The door's delay (:class:`webapp.door.Door`) counts from the second time, the
-    caller's deadline from the first."""
+    A request arrived when its first byte reached the host (the kernel's stamp), or at its connection's accept if
+    that came later (its bytes waited in the accept queue with the connection); without a stamp, when the process
+    saw it after waiting for it. A client that opens its connections and writes its requests later (seconds,
+    for a busy client opening thousands at once) is not charged that time: not against its deadline, nor as the
+    process's delay (:class:`webapp.door.Door`). A later request on a kept-alive connection arrived when its
+    first byte came (now, without a stamp, when it was there already). Both times are the same now; the door's
+    delay and the caller's deadline count from it."""
     accepted: float | None = getattr(_connection, "accepted_at", None)
     seen: float | None = getattr(_connection, "seen_at", None)
     _connection.accepted_at = _connection.seen_at = None
-    if accepted is not None:
-        return accepted, accepted if seen is None else max(accepted, seen)
-    at = time.monotonic() if seen is None else seen
+    at = arrived_at(accepted, seen)
     return at, at
+
+
+def arrived_at(accepted: float | None, seen: float | None) -> float:
+    """The arrival of a request whose connection was accepted at ``accepted`` (None: an earlier request's) and
+    whose first byte came at ``seen`` (None: not known)."""
+    if accepted is not None:
+        return accepted if seen is None else max(accepted, seen)
+    return time.monotonic() if seen is None else seen

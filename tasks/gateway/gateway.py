@@ -9,6 +9,8 @@ retries and lookups by id :mod:`tasks.gateway.idempotency`; what each refusal sa
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Generator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -32,8 +34,9 @@ from tasks.gateway.prepared import Joining, Prepared, request_of
 from tasks.gateway.resume import Resumer
 from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
 from tasks.gateway.waiting import Entered, Waiter, Waiting
-from tasks.policy.capacity import deadline_cap
+from tasks.policy.capacity import deadline_cap, throughput
 from tasks.policy.refusal import HeldFull, admission_refusal, deadline_refusal, shortest_answer_s, token_demand
+from tasks.policy.room import Placed, Room
 from tasks.policy.stream_position import BadPosition, Position
 from tasks.schema import Priority, WorkerInfo, input_hash
 from tasks.state.admission import Admission, AdmitCall, Decision, Ticket, Verdict
@@ -52,6 +55,12 @@ T = TypeVar("T")
 # An admission reaching Redis later than this after it was sent is refused by the script itself: its caller
 # may have had a timeout by then (503), and admitting it would hold capacity nobody releases.
 ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
+# a request let in by the door's view of the line stops counting there this long after the door's own bound on
+# its wait (it was refused or dropped without a verdict)
+ROOM_PENDING_SLACK_S = 0.5
+# calls a second one API process takes through admission, until its gate has measured it (a 2-core host under a
+# burst: 300-600)
+ROOM_ADMITS_PER_S = 400.0
 
 
 def _decided(outcomes: Sequence[Waiter | BatchingError | None]) -> list[Waiter | BatchingError]:
@@ -68,6 +77,10 @@ class Gateway:
         self.gate = gate  # an API process's turnstile in front of admission (none: every call goes at once)
         self.full = HeldFull()  # the fresh FULL verdicts of this process's admissions
         self._full = self.full.verdicts  # model, class -> (until, refusal)
+        # each model's line as this process sees it, for the door to judge a request as it arrives
+        self._reading_fleet = threading.Lock()  # gevent's once gunicorn's worker has monkey-patched threading
+        self.room = Room(settings.web.workers, settings.admission.door_max_delay_s + ROOM_PENDING_SLACK_S,
+                         time.monotonic)
         self.client = client
         self.publisher = publisher
         self.keys = Keys.from_settings(settings)
@@ -250,6 +263,36 @@ class Gateway:
         last FULL verdict for them, while it is fresh. Idempotent retries are not held (see :meth:`_enter`)."""
         return self.full.held(model, priority, time.monotonic())
 
+    def place(self, model: str, priority: Priority, timeout_s: float) -> QueueFull | Placed:
+        """Where a call of a heavy caller arriving now stands in its model's line, as this process sees it
+        (:class:`tasks.policy.room.Room`): refused (QueueFull) when the fleet could not answer it within
+        ``timeout_s`` by the cap the admission script applies, reckoned at its turn (the calls this process let
+        in before it go first, at the rate its gate passes calls); otherwise let in and counted ahead of the
+        next. Nothing is judged while no live worker of the model is known (its answer comes the usual way)."""
+        fleet = self.workers.last  # the view admission keeps fresh: no I/O here
+        if not fleet:  # this process has not read it yet: one reads it, the others wait for that read
+            with self._reading_fleet:
+                try:
+                    fleet = self.workers.last or self.live_workers()
+                except BatchingError:
+                    return Placed.UNKNOWN
+        workers = [w for w in fleet if w.model == model]
+        if not workers:
+            return Placed.UNKNOWN
+        key = (model, priority)
+        ahead = self.room.place(key)
+        # its time left once its turn at admission comes: the calls this process let in before it go first
+        admits_per_s = self.gate.drain_rate() if self.gate is not None else math.inf
+        if not math.isfinite(admits_per_s):
+            admits_per_s = ROOM_ADMITS_PER_S
+        left_s = timeout_s - self.room.pending(key) / admits_per_s
+        if ahead + 1 > deadline_cap(workers, left_s, self.settings.admission.cap):
+            return admission_refusal(Verdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
+                                     hashes=(), workers=workers, admission_cap=self.settings.admission.cap,
+                                     retry_floor_s=self.settings.admission.retry_after_s)  # type: ignore[return-value]
+        self.room.let_in(key)
+        return Placed.IN_LINE
+
     def holds_full(self) -> bool:
         """Whether any FULL verdict is fresh: the door looks for one at accept only then."""
         return self.full.any_fresh(time.monotonic())
@@ -372,6 +415,9 @@ class Gateway:
                                   retry_floor_s=self.settings.admission.retry_after_s)
         if verdict is Verdict.FULL and isinstance(error, QueueFull):
             self.full.hold(call.model, call.priority, error, time.monotonic())
+        if verdict in (Verdict.OK, Verdict.FULL):  # the model's count, for the door's view of its line
+            served = [w for w in self.workers.last if w.model == call.model]
+            self.room.decided((call.model, call.priority), ahead, throughput(served))
         return error
 
     def _unserved(self, model: str) -> BatchingError | None:

@@ -6,10 +6,12 @@
 --   KEYS: 12 per call, the calls in order (below: one call's, 1 to 12).
 --   ARGV[1]: the number of calls; then per call: the count of its arguments, and its arguments (below).
 -- Returns one verdict per call, in order:
---   'ok'; 'quarantined:<hash>' (one of its inputs is quarantined); 'tenant_full:<n>' / 'full:<n>' with n the
---   items ahead in the set that was full; 'tokens_full:<n>' with the tokens the model holds; or 'late' when the
---   call reached Redis after its caller stopped waiting for the answer (a link that came back: admitting it then
---   would hold capacity for a call that was already refused).
+--   'ok:<n>' with n the items counted at the call's model once it is in (what the next call would find ahead
+--   of it: the API process's view of the line, tasks.policy.room); 'quarantined:<hash>' (one of its inputs is
+--   quarantined); 'tenant_full:<n>' / 'full:<n>' with n the items ahead in the set that was full;
+--   'tokens_full:<n>' with the tokens the model holds; or 'late' when the call reached Redis after its caller
+--   stopped waiting for the answer (a link that came back: admitting it then would hold capacity for a call
+--   that was already refused).
 -- An interactive call counts only the interactive items ahead of it (they go first in every batch); an offline
 -- call counts both classes at its model, and only offline items against the global caps.
 --
@@ -98,7 +100,7 @@ for i = first, first + n - 1 do
   end
 end
 if KEYS[12] ~= '' then redis.call('SET', KEYS[12], ARGV[13], 'EX', ARGV[14]) end
-return 'ok'
+return 'ok:' .. (ahead + n)
 end
 
 local verdicts, k, a = {}, 0, 2

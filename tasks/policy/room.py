@@ -1,0 +1,87 @@
+"""Where a request arriving now would stand in the fleet's line for its model, judged without asking Redis (pure:
+the clock is injected).
+
+Under a burst thousands of requests reach an API process within a fraction of a second, and each costs about a
+millisecond of CPU to admit. Asking Redis for each one's place (the admission script) means taking every one in,
+in arrival order, at the pace the CPU allows: the last of a 3,000-call burst learnt it was refused 2-3 s after
+sending it, though the fleet had been full for most of that time. Here the process keeps its own view of each
+model's line, so a request can be placed the moment its bytes arrive:
+
+* the count the last admission verdict saw (the script's ``ok:<n>`` or ``full:<n>``), less what the fleet has
+  answered since at its measured rate;
+* plus the requests this process has let in that have not had their verdict yet, times the API processes that
+  share the load (the others are taking in their part of the same burst, unseen until the next verdict).
+
+A request whose place is beyond what the fleet can answer within its deadline (the same cap the admission
+script applies, reckoned at the request's turn: :meth:`tasks.gateway.gateway.Gateway.place`) is refused at once;
+the others go on, in arrival order, to the admission script, which stays the judge. A request let in wrongly
+gets the script's own refusal, but only at its turn; one refused wrongly loses an answer. A request let in that
+never reaches a verdict (a 400, a client gone) stops counting after ``pending_ttl_s``.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class Placed(Enum):
+    """A request the view of its line did not refuse."""
+
+    IN_LINE = "in_line"  # let in, and counted ahead of the next until its verdict
+    UNKNOWN = "unknown"  # nothing known to judge it by (no live worker of its model seen yet): the usual way
+
+
+@dataclass
+class _Line:
+    count: int = 0  # the model's items counted by the last verdict
+    seen_at: float = 0.0  # when
+    rate: float = 0.0  # items per second the fleet answers (its measured throughput then)
+    pending: deque[float] = field(default_factory=deque)  # when each request let in and not yet decided arrived
+
+
+class Room:
+    """Each model's (and class's) line as this process sees it: :meth:`place` of a request arriving now, against
+    which the door compares the deadline cap; :meth:`let_in` and :meth:`decided` keep the requests between."""
+
+    def __init__(self, processes: int, pending_ttl_s: float, clock: Callable[[], float]) -> None:
+        self.processes = max(1, processes)
+        self.pending_ttl_s = pending_ttl_s
+        self.clock = clock
+        self._lines: dict[Hashable, _Line] = {}
+
+    def place(self, key: Hashable) -> float:
+        """Items ahead of a request of ``key`` arriving now (0 when nothing is known of its line)."""
+        line = self._lines.get(key)
+        if line is None:
+            return 0.0
+        now = self.clock()
+        self._expire(line, now)
+        drained = max(0.0, line.count - line.rate * (now - line.seen_at))
+        return drained + self.processes * len(line.pending)
+
+    def pending(self, key: Hashable) -> int:
+        """Requests of ``key`` this process has let in that are still waiting for their verdict."""
+        line = self._lines.get(key)
+        if line is None:
+            return 0
+        self._expire(line, self.clock())
+        return len(line.pending)
+
+    def let_in(self, key: Hashable) -> None:
+        """A request of ``key`` goes on to admission: it counts ahead of the next until its verdict."""
+        self._lines.setdefault(key, _Line()).pending.append(self.clock())
+
+    def decided(self, key: Hashable, count: int, rate: float) -> None:
+        """An admission verdict for a request of ``key``: the model counted ``count`` items (with the request, when
+        it was admitted), and the fleet answers ``rate`` items a second. The oldest request let in stops
+        counting as pending (verdicts come in about the order requests went in)."""
+        line = self._lines.setdefault(key, _Line())
+        line.count, line.seen_at, line.rate = count, self.clock(), rate
+        if line.pending:
+            line.pending.popleft()
+
+    def _expire(self, line: _Line, now: float) -> None:
+        while line.pending and now - line.pending[0] > self.pending_ttl_s:
+            line.pending.popleft()

@@ -1,0 +1,50 @@
+"""The door's view of a model's line (tasks.policy.room): pure, on an injected clock."""
+from __future__ import annotations
+
+from tasks.policy.room import Room
+
+KEY = ("sim", "interactive")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_line_nothing_is_known_of_is_empty_and_not_tight() -> None:
+    room = Room(processes=2, pending_ttl_s=3.0, clock=Clock())
+    assert room.place(KEY) == 0 and room.pending(KEY) == 0
+
+
+def test_requests_let_in_count_for_every_process_sharing_the_load_until_their_verdict() -> None:
+    clock = Clock()
+    room = Room(processes=2, pending_ttl_s=3.0, clock=clock)
+    for _ in range(5):
+        room.let_in(KEY)
+    assert room.place(KEY) == 10 and room.pending(KEY) == 5  # the other process is taking in its part too
+    room.decided(KEY, count=40, rate=400.0)  # admitted: the model counts 40 items, this one among them
+    assert room.pending(KEY) == 4 and room.place(KEY) == 40 + 2 * 4
+    assert room.place(("sim", "offline")) == 0  # another class's line is another line
+
+
+def test_the_count_drains_at_the_fleets_rate_and_never_below_nothing() -> None:
+    clock = Clock()
+    room = Room(processes=1, pending_ttl_s=3.0, clock=clock)
+    room.decided(KEY, count=100, rate=400.0)
+    clock.now += 0.1
+    assert round(room.place(KEY), 6) == 60  # 40 answered in 100 ms
+    clock.now += 1.0
+    assert room.place(KEY) == 0
+
+
+def test_a_request_let_in_that_never_gets_a_verdict_stops_counting() -> None:
+    clock = Clock()
+    room = Room(processes=2, pending_ttl_s=3.0, clock=clock)
+    room.let_in(KEY)
+    clock.now += 2.0
+    room.let_in(KEY)
+    clock.now += 1.5  # the first is 3.5 s old: a 400, or a caller gone
+    assert room.pending(KEY) == 1 and room.place(KEY) == 2
