@@ -356,3 +356,43 @@ def test_a_connection_flood_from_one_tenant_leaves_a_steady_tenant_unharmed(burs
         problems.append(f"flood: {len(late)} late, {wrong} wrong outputs")
     if problems:
         pytest.fail("; ".join(problems) + both)
+
+
+def test_a_publish_waiting_for_a_connection_behind_unconfirmed_ones_is_the_brokers_503_not_an_overload(
+        rabbit: PrivateRabbit) -> None:
+    """Under a memory alarm every pooled connection waits for a confirm that does not come; a publish that waits
+    for one of them is told what they are told (503, the broker), not that this process is overloaded (429).
+    Seen once in CI: 1 of 403 callers during an alarm got 429 'all 10 broker connections ... stayed busy'."""
+    import threading
+
+    from tasks.broker.queues import PublishTimeout, RequestPublisher
+    from tasks.schema import InferenceRequest, Item
+
+    publisher = RequestPublisher(rabbit.url, f"alarm-{uuid.uuid4().hex[:8]}", pool_size=1)
+    now = time.time()
+    request = InferenceRequest(id="r", tenant="t", model="sim", items=(Item("r.0", "x"),), accepted_at=now,
+                               deadline=now + 30, reply_to="c")
+    try:
+        publisher.publish([request], 2.0)  # the queue exists, the connection is open
+        rabbit.raise_memory_alarm()
+        wait_for(lambda: rabbit.alarms(), 10, "the memory alarm")
+        with pytest.raises(PublishTimeout):
+            publisher.publish([request], 0.5)  # the broker is silent
+        errors: list[BaseException] = []
+
+        def publish() -> None:
+            try:
+                publisher.publish([request], 3.0)
+            except BaseException as exc:  # what each caller gets is the point
+                errors.append(exc)
+
+        holder = threading.Thread(target=publish)
+        holder.start()
+        time.sleep(0.2)  # the one connection is taken, waiting for its confirm
+        with pytest.raises(PublishTimeout):
+            publisher.publish([request], 0.5)  # no connection came free: the broker's silence, not an overload
+        holder.join(10)
+        assert len(errors) == 1 and isinstance(errors[0], PublishTimeout), errors
+    finally:
+        rabbit.clear_alarms()
+        publisher.close()

@@ -33,7 +33,8 @@ class PublishTimeout(TimeoutError):
 
 class PublisherBusy(Exception):
     """Raised when no pooled broker connection came free within the publish budget (this process is
-    overloaded, not the broker down)."""
+    overloaded, not the broker down). While publishes go unconfirmed (an alarm), the connections are busy
+    waiting for the broker: that wait is a :class:`PublishTimeout` (503), as theirs is."""
 
 
 # One batcher consumes at a time; the others are hot standbys that RabbitMQ switches to the moment the active
@@ -96,6 +97,7 @@ class RequestPublisher:
         )
         self.pool = self.connection.Pool(limit=pool_size)
         self.producers = ProducerPool(self.pool, limit=pool_size)
+        self._silent = False  # the last publish to end went unconfirmed (an alarm): the broker is silent
 
     def publish(self, requests: Sequence[InferenceRequest], timeout_s: float) -> None:
         """Publish these calls as one message and wait for the broker's confirm, for at most ``timeout_s`` in all
@@ -112,6 +114,8 @@ class RequestPublisher:
             try:
                 acquired = self.producers.acquire(block=True, timeout=remaining)
             except LimitExceeded:
+                if self._silent:  # the connections wait for confirms that do not come
+                    raise PublishTimeout(f"RabbitMQ did not confirm requests within {timeout_s:.1f} s") from None
                 raise PublisherBusy(f"all {self.pool.limit} broker connections of this API process stayed busy "
                                     f"for {timeout_s:.1f} s") from None
             with acquired as producer:
@@ -125,9 +129,11 @@ class RequestPublisher:
                         delivery_mode=2 if self.persistent else 1, expiration=ttl_s,
                         correlation_id=requests[0].id, headers={"requests": len(requests)},
                         timeout=remaining, confirm_timeout=remaining)
+                    self._silent = False
                     return
                 except TimeoutError:
                     # a confirm may still come, and would be taken for the next message's: drop the connection
+                    self._silent = True
                     producer.connection.collect()
                     break
                 except producer.connection.recoverable_connection_errors:
