@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from tasks.store.models import BatchRecord, QuarantineRecord, RequestRecord, make_engine
 from tests.fakes import FakeClock
-from tests.harness.helpers import assert_json_error, expected, post
+from tests.harness.helpers import assert_json_error, decoded, expected, post
 from tests.harness.stack import Stack, running_stack, wait_for
 
 RAISE, KILL = "__raise_here__", "__kill_here__"
@@ -43,11 +43,15 @@ def send(stack: Stack, texts: list[str], timeout_ms: int = 120_000) -> list[Futu
 
 
 def busy_worker(stack: Stack, timeout_s: float = 30) -> int:
-    """The device number of a worker that is running a batch right now."""
+    """The device number of a worker that is running a batch right now: one holding a batch's claim (a run id,
+    ``<worker id>/<token>``; a settled claim starts with ``~``), set as the batch starts. A heartbeat says
+    "busy" up to a beat late, and acting on it a loaded host could hit a worker whose batch had just ended,
+    leaving nothing to recover."""
     found: list[int] = []
 
     def check() -> bool:
-        found[:] = [int(w.split("@")[0][3:]) for w, hb in stack.fleet().items() if hb["state"] == "busy"]
+        owners = [stack.redis.get(key) for key in stack.redis.scan_iter(f"{stack.namespace}:claim:*")]
+        found[:] = [int(decoded(o).split("@")[0][3:]) for o in owners if o and not decoded(o).startswith("~")]
         return bool(found)
 
     wait_for(check, timeout_s, "a busy worker")
@@ -72,15 +76,17 @@ def test_sigkill_of_a_worker_mid_batch_loses_no_request(fleet: Stack) -> None:
     futures = send(fleet, texts)
     victim = busy_worker(fleet)
     fleet.kill(f"gpu{victim}", sig=signal.SIGKILL)  # the supervisor and its worker, like a lost host
-    for text, future in zip(texts, futures):
-        r = future.result()
-        assert r.status_code == 200, r.text
-        assert r.json()["output"] == expected(text)
-    with ledger(fleet) as s:
-        lost = list(s.scalars(select(BatchRecord).where(BatchRecord.worker == f"gpu{victim}@test",
-                                                        BatchRecord.status.in_(["died", "reassigned"]))))
-    assert lost, "the ledger records what happened to the lost worker's batches"
-    restore_workers(fleet)
+    try:
+        for text, future in zip(texts, futures):
+            r = future.result()
+            assert r.status_code == 200, r.text
+            assert r.json()["output"] == expected(text)
+        with ledger(fleet) as s:
+            lost = list(s.scalars(select(BatchRecord).where(BatchRecord.worker == f"gpu{victim}@test",
+                                                            BatchRecord.status.in_(["died", "reassigned"]))))
+        assert lost, "the ledger records what happened to the lost worker's batches"
+    finally:  # the next tests need the whole fleet, whatever happened here
+        restore_workers(fleet)
 
 
 def test_a_worker_that_stops_heartbeating_is_removed_and_its_batches_go_elsewhere(fleet: Stack) -> None:
