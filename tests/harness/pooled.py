@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
+import re
 import time
 import uuid
 from contextlib import AbstractContextManager
@@ -158,4 +159,16 @@ def summary(calls: list[Call]) -> dict[str, Any]:
         "p50_s": quantile_s(ok, 50), "p99_s": quantile_s(ok, 99), "p99_429_s": quantile_s(refused, 99),
         "p99_429_after_send_s": quantile_s([c.wait_s for c in calls if c.status == 429], 99),
         "p99_after_send_s": quantile_s([c.wait_s for c in calls if c.status == 200], 99),
+        "refusals": refusals(calls),
     }
+
+
+def refusals(calls: list[Call]) -> dict[str, dict[str, float]]:
+    """The 429s by what refused them (the message with its figures taken out): how many, and their p50/p99 after
+    sending. A refusal at arrival and one at the call's turn read alike to the caller but not here."""
+    kinds: dict[str, list[float]] = collections.defaultdict(list)
+    for c in calls:
+        if c.status == 429:
+            kinds[re.sub(r"\d+", "N", c.message)[:70]].append(c.wait_s)
+    return {kind: {"count": len(waits), "p50_after_send_s": quantile_s(waits, 50),
+                   "p99_after_send_s": quantile_s(waits, 99)} for kind, waits in sorted(kinds.items())}
