@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tasks.config import Settings
-from tasks.errors import QueueFull
+from tasks.errors import Overloaded, QueueFull
 from tasks.policy.room import Placed
 from tasks.policy.shedding import Door
 from tasks.schema import Priority
@@ -116,10 +116,14 @@ class Verdicts:
     def __init__(self) -> None:
         self.held: dict[tuple[str, Priority], QueueFull] = {}
         self.room: dict[tuple[str, Priority], int] = {}
-        self.placed: list[tuple[str, Priority, float]] = []
+        self.placed: list[tuple[str, Priority, float, float]] = []
+        self.late: QueueFull | None = None  # what the gateway says of a call whose turn would come too late
 
-    def place(self, model: str, priority: Priority, timeout_s: float) -> QueueFull | Placed:
-        self.placed.append((model, priority, timeout_s))
+    def place(self, model: str, priority: Priority, timeout_s: float,
+              waited_s: float = 0.0) -> QueueFull | Placed:
+        self.placed.append((model, priority, timeout_s, waited_s))
+        if self.late is not None:
+            return self.late
         left = self.room.get((model, priority))
         if left is None:
             return Placed.UNKNOWN
@@ -253,8 +257,8 @@ def test_an_arriving_call_is_placed_in_its_line_and_refused_from_its_bytes_beyon
         _, server = connection(request({"input": "hello", "timeout_ms": 5000}))
         assert accept(server, arriving=True, arrived_at=arrived) is AtDoor.IN_LINE
         assert server.recv(65536, socket.MSG_PEEK).startswith(b"POST")  # nothing taken off the socket
-    model, priority, left_s = verdicts.placed[0]
-    assert (model, priority) == ("sim", Priority.INTERACTIVE) and 3.9 < left_s <= 4.0
+    model, priority, left_s, waited_s = verdicts.placed[0]
+    assert (model, priority) == ("sim", Priority.INTERACTIVE) and 3.9 < left_s <= 4.0 and 1.0 <= waited_s < 1.1
     client, server = connection(request({"input": "hello"}))
     assert accept(server, arriving=True) is AtDoor.REFUSED
     server.close()
@@ -273,6 +277,15 @@ def test_an_arriving_call_is_placed_in_its_line_and_refused_from_its_bytes_beyon
     _, not_json = connection(b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 8\r\n\r\nnot json")
     assert accept(not_json, arriving=True) is AtDoor.USUAL  # its 400 comes the usual way
     assert len(verdicts.placed) == placed + 1  # the offline call was placed; the others never were
+
+    verdicts.late = Overloaded("this API process would take 2600 ms to get to the request", retry_after_s=2)
+    directory.policy("flood")
+    client, server = connection(request({"input": "hello"}, tenant="flood"))
+    assert accept(server, arriving=True) is AtDoor.REFUSED  # its turn would come past the door's bound
+    server.close()
+    status, headers, body = answer(client)
+    assert status == "HTTP/1.1 429 Too Many Requests" and headers["Retry-After"] == "2"
+    assert body["error"]["type"] == "overloaded"  # type: ignore[index]
 
 
 def test_a_body_a_moment_behind_its_headers_is_placed_on_arrival_all_the_same(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import math
 import resource
 import socket
 import subprocess
@@ -26,7 +27,7 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from tasks.config import Settings
-from tasks.errors import InvalidInput, QueueFull
+from tasks.errors import InvalidInput, Overloaded, QueueFull
 from tasks.gateway.gateway import ROOM_ADMITS_PER_S
 from tasks.policy.capacity import deadline_cap
 from tasks.policy.refusal import FULL_HOLD_S
@@ -246,6 +247,13 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     assert 0 < shorter < let_in  # less time, less room
     gateway.room.decided(("sim", Priority.INTERACTIVE), 0, 400.0)  # a verdict: the model holds nothing after all
     assert gateway.room.place(("sim", Priority.INTERACTIVE)) == 2 * (let_in - 1)
+
+    # a call whose turn would come past the door's bound (from its arrival) is refused as the door would then
+    turn_s = gateway.room.waiting() / ROOM_ADMITS_PER_S  # every call let in goes first; the pace is not measured yet
+    bound_s = gateway.settings.admission.door_max_delay_s
+    late = gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s + 0.05)
+    assert isinstance(late, Overloaded) and late.type == "overloaded" and late.retry_after_s == math.ceil(turn_s)
+    assert gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s - 0.05) is Placed.IN_LINE
 
 
 def _gunicorn_conf(**env: object) -> dict[str, int]:

@@ -48,3 +48,33 @@ def test_a_request_let_in_that_never_gets_a_verdict_stops_counting() -> None:
     room.let_in(KEY)
     clock.now += 1.5  # the first is 3.5 s old: a 400, or a caller gone
     assert room.pending(KEY) == 1 and room.place(KEY) == 2
+
+
+def test_every_line_counts_towards_the_wait_for_a_turn() -> None:
+    room = Room(processes=2, pending_ttl_s=3.0, clock=Clock())
+    for key in (KEY, KEY, ("sim", "offline"), ("other", "interactive")):
+        room.let_in(key)
+    assert room.waiting() == 4  # this process's own calls, of every line: they all go through its admission first
+
+
+def test_the_pace_is_of_verdicts_given_while_calls_wait_over_the_last_second() -> None:
+    clock = Clock()
+    room = Room(processes=1, pending_ttl_s=10.0, clock=clock)
+    for _ in range(40):
+        room.decided(KEY, count=0, rate=400.0)  # nobody waits behind them: idle verdicts tell no pace
+        clock.now += 0.001
+    assert room.pace() is None
+    for _ in range(100):
+        room.let_in(KEY)
+    for _ in range(15):
+        clock.now += 0.01
+        room.decided(KEY, count=0, rate=400.0)
+    assert room.pace() is None  # too few to tell
+    for _ in range(35):
+        clock.now += 0.01
+        room.decided(KEY, count=0, rate=400.0)
+    assert round(room.pace() or 0, 6) == round(50 / 0.49, 6)  # 50 verdicts from the first to now: 100 a second
+    clock.now += 0.5  # a stall: no verdict for half a second
+    assert round(room.pace() or 0, 6) == round(50 / 0.99, 6)
+    clock.now += 0.6  # the window has passed them all
+    assert room.pace() is None

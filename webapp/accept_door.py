@@ -81,7 +81,7 @@ class AcceptDoor:
         outcome = AtDoor.USUAL
         if error is None and judging and call is not None:
             placed = self.lines.place(call, arrived_at)  # type: ignore[union-attr]
-            if isinstance(placed, QueueFull):
+            if isinstance(placed, QueueFull):  # Overloaded among them
                 error = placed
             elif placed is Placed.IN_LINE:
                 outcome = AtDoor.IN_LINE
@@ -148,9 +148,9 @@ class Lines:
 
     def place(self, call: Judged, arrived_at: float | None = None) -> QueueFull | Placed:
         """The call's place in its model's line (:meth:`tasks.gateway.gateway.Gateway.place`), with the time it
-        has left (its deadline counts from ``arrived_at``; None: now)."""
+        has left (its deadline and the door's bound count from ``arrived_at``; None: now)."""
         waited = 0.0 if arrived_at is None else max(0.0, time.monotonic() - arrived_at)
-        return self.gateway.place(call.model, call.priority, call.timeout_s - waited)
+        return self.gateway.place(call.model, call.priority, call.timeout_s - waited, waited)
 
     def judged(self, request: Peeked) -> Judged | None:
         """The call's model, class and timeout, when they can be told from its bytes and the caches."""

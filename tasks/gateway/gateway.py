@@ -37,6 +37,7 @@ from tasks.gateway.waiting import Entered, Waiter, Waiting
 from tasks.policy.capacity import deadline_cap, throughput
 from tasks.policy.refusal import HeldFull, admission_refusal, deadline_refusal, shortest_answer_s, token_demand
 from tasks.policy.room import Placed, Room
+from tasks.policy.shedding import too_slow
 from tasks.policy.stream_position import BadPosition, Position
 from tasks.schema import Priority, WorkerInfo, input_hash
 from tasks.state.admission import Admission, AdmitCall, Decision, Ticket, Verdict
@@ -58,8 +59,8 @@ ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
 # a request let in by the door's view of the line stops counting there this long after the door's own bound on
 # its wait (it was refused or dropped without a verdict)
 ROOM_PENDING_SLACK_S = 0.5
-# calls a second one API process takes through admission, until its gate has measured it (a 2-core host under a
-# burst: 300-600)
+# verdicts a second one API process gives while calls wait for theirs, until it has measured its pace (a 2-core
+# host under a flood: 450-1,200)
 ROOM_ADMITS_PER_S = 400.0
 
 
@@ -263,12 +264,16 @@ class Gateway:
         last FULL verdict for them, while it is fresh. Idempotent retries are not held (see :meth:`_enter`)."""
         return self.full.held(model, priority, time.monotonic())
 
-    def place(self, model: str, priority: Priority, timeout_s: float) -> QueueFull | Placed:
+    def place(self, model: str, priority: Priority, timeout_s: float,
+              waited_s: float = 0.0) -> QueueFull | Placed:
         """Where a call of a heavy caller arriving now stands in its model's line, as this process sees it
-        (:class:`tasks.policy.room.Room`): refused (QueueFull) when the fleet could not answer it within
-        ``timeout_s`` by the cap the admission script applies, reckoned at its turn (the calls this process let
-        in before it go first, at the rate its gate passes calls); otherwise let in and counted ahead of the
-        next. Nothing is judged while no live worker of the model is known (its answer comes the usual way)."""
+        (:class:`tasks.policy.room.Room`). Its turn at admission comes once the calls this process let in before
+        it have had their verdicts, at the pace it gives them. Refused (Overloaded) when that turn would come
+        later than the door's bound (``LLMB_DOOR_MAX_DELAY_MS`` from its arrival, ``waited_s`` ago), where the
+        door would refuse it then; refused (QueueFull) when the fleet could not answer it within ``timeout_s``
+        by the cap the admission script applies, reckoned at its turn; otherwise let in and counted ahead of
+        the next. Nothing is judged while no live worker of the model is known (its answer comes the usual
+        way)."""
         fleet = self.workers.last  # the view admission keeps fresh: no I/O here
         if not fleet:  # this process has not read it yet: one reads it, the others wait for that read
             with self._reading_fleet:
@@ -281,12 +286,12 @@ class Gateway:
             return Placed.UNKNOWN
         key = (model, priority)
         ahead = self.room.place(key)
-        # its time left once its turn at admission comes: the calls this process let in before it go first
-        admits_per_s = self.gate.drain_rate() if self.gate is not None else math.inf
-        if not math.isfinite(admits_per_s):
-            admits_per_s = ROOM_ADMITS_PER_S
-        left_s = timeout_s - self.room.pending(key) / admits_per_s
-        if ahead + 1 > deadline_cap(workers, left_s, self.settings.admission.cap):
+        verdicts_per_s = self.room.pace() or ROOM_ADMITS_PER_S
+        turn_s = self.room.waiting() / verdicts_per_s
+        bound_s = self.settings.admission.door_max_delay_s
+        if bound_s and waited_s + turn_s > bound_s:
+            return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))
+        if ahead + 1 > deadline_cap(workers, timeout_s - turn_s, self.settings.admission.cap):
             return admission_refusal(Verdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
                                      hashes=(), workers=workers, admission_cap=self.settings.admission.cap,
                                      retry_floor_s=self.settings.admission.retry_after_s)  # type: ignore[return-value]

@@ -127,6 +127,11 @@ class Door:
             return Overloaded(f"this API process is running {delay * 1000:.0f} ms behind (a burst); retry in "
                               f"{self.retry_after_s} s", retry_after_s=self.retry_after_s)
         assert self.gate is not None
-        retry = self.gate.retry_after_s()
-        return Overloaded(f"this API process would take {(delay + lateness.wait_s) * 1000:.0f} ms to get to the "
-                          f"request (more calls than it can admit in time); retry in {retry} s", retry_after_s=retry)
+        return too_slow(delay + lateness.wait_s, self.gate.retry_after_s())
+
+
+def too_slow(turn_s: float, retry_after_s: int) -> Overloaded:
+    """The refusal of a request whose turn at admission would come ``turn_s`` after its arrival, past the door's
+    bound."""
+    return Overloaded(f"this API process would take {turn_s * 1000:.0f} ms to get to the request (more calls "
+                      f"than it can admit in time); retry in {retry_after_s} s", retry_after_s=retry_after_s)
