@@ -246,6 +246,7 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     shorter = [gateway.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
     assert 0 < shorter < let_in  # less time, less room
     gateway.room.decided(("sim", Priority.INTERACTIVE), 0, 400.0)  # a verdict: the model holds nothing after all
+    gateway.room.ended(("sim", Priority.INTERACTIVE))  # and that call is through admission
     assert gateway.room.place(("sim", Priority.INTERACTIVE)) == 2 * (let_in - 1)
 
     # a call whose turn would come past the door's bound (from its arrival) is refused as the door would then

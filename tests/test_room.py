@@ -26,7 +26,10 @@ def test_requests_let_in_count_for_every_process_sharing_the_load_until_their_ve
         room.let_in(KEY)
     assert room.place(KEY) == 10 and room.pending(KEY) == 5  # the other process is taking in its part too
     room.decided(KEY, count=40, rate=400.0)  # admitted: the model counts 40 items, this one among them
+    room.ended(KEY)  # ... and through admission
     assert room.pending(KEY) == 4 and room.place(KEY) == 40 + 2 * 4
+    room.ended(KEY)  # one through admission without a verdict (a Redis outage's 503): it stops counting too
+    assert room.pending(KEY) == 3 and room.place(KEY) == 40 + 2 * 3
     assert room.place(("sim", "offline")) == 0  # another class's line is another line
 
 
@@ -57,24 +60,24 @@ def test_every_line_counts_towards_the_wait_for_a_turn() -> None:
     assert room.waiting() == 4  # this process's own calls, of every line: they all go through its admission first
 
 
-def test_the_pace_is_of_verdicts_given_while_calls_wait_over_the_last_second() -> None:
+def test_the_pace_is_of_calls_through_admission_while_others_wait_over_the_last_second() -> None:
     clock = Clock()
     room = Room(processes=1, pending_ttl_s=10.0, clock=clock)
     for _ in range(40):
-        room.decided(KEY, count=0, rate=400.0)  # nobody waits behind them: idle verdicts tell no pace
+        room.ended(KEY)  # nobody waits behind them: idle calls tell no pace
         clock.now += 0.001
     assert room.pace() is None
     for _ in range(100):
         room.let_in(KEY)
     for _ in range(15):
         clock.now += 0.01
-        room.decided(KEY, count=0, rate=400.0)
+        room.ended(KEY)
     assert room.pace() is None  # too few to tell
     for _ in range(35):
         clock.now += 0.01
-        room.decided(KEY, count=0, rate=400.0)
-    assert round(room.pace() or 0, 6) == round(50 / 0.49, 6)  # 50 verdicts from the first to now: 100 a second
-    clock.now += 0.5  # a stall: no verdict for half a second
+        room.ended(KEY)
+    assert round(room.pace() or 0, 6) == round(50 / 0.49, 6)  # 50 through from the first to now: 100 a second
+    clock.now += 0.5  # a stall: none through for half a second
     assert round(room.pace() or 0, 6) == round(50 / 0.99, 6)
     clock.now += 0.6  # the window has passed them all
     assert room.pace() is None

@@ -59,8 +59,8 @@ ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
 # a request let in by the door's view of the line stops counting there this long after the door's own bound on
 # its wait (it was refused or dropped without a verdict)
 ROOM_PENDING_SLACK_S = 0.5
-# verdicts a second one API process gives while calls wait for theirs, until it has measured its pace (a 2-core
-# host under a flood: 450-1,200)
+# calls a second one API process takes through admission while others wait, until it has measured its pace (a
+# 2-core host under a flood: 450-1,200)
 ROOM_ADMITS_PER_S = 400.0
 
 
@@ -234,23 +234,26 @@ class Gateway:
         With ``idempotency`` the key is claimed (one Lua call) just before admission; when it names an earlier
         call, that call is followed instead (:meth:`Replays.follow`). Any refusal before the request is published
         releases the key."""
-        while True:
-            if idempotency is None:  # a retry may be answered from its first call: it needs no room
-                self._still_full(call)
-            with self._turn(call.tenant) as turn:
-                prepared = self._prepare(call, shape)
-                claim = None
-                if idempotency is not None:
-                    self.lease.keep()  # the lease tells whoever follows this call that its process is alive
-                    # its record lives under its key from now on (every later write finds it there), not its id
-                    prepared = replace(prepared, record=replace(prepared.record, key_hash=idempotency.key_hash))
-                    claim = redis_call(partial(self.requests.claim, replace(prepared.record, published=False),
-                                               idempotency, self.clock()))
-                if idempotency is None or claim is None or claim.claimed:
-                    return self._admitted(call, prepared, idempotency, turn)
-            answer = self.replays.follow(call, idempotency, claim, prepared.deadline, follow)  # its turn given up
-            if answer is not None:
-                return answer
+        try:
+            while True:
+                if idempotency is None:  # a retry may be answered from its first call: it needs no room
+                    self._still_full(call)
+                with self._turn(call.tenant) as turn:
+                    prepared = self._prepare(call, shape)
+                    claim = None
+                    if idempotency is not None:
+                        self.lease.keep()  # the lease tells whoever follows this call that its process is alive
+                        # its record lives under its key from now on (every later write finds it there), not its id
+                        prepared = replace(prepared, record=replace(prepared.record, key_hash=idempotency.key_hash))
+                        claim = redis_call(partial(self.requests.claim, replace(prepared.record, published=False),
+                                                   idempotency, self.clock()))
+                    if idempotency is None or claim is None or claim.claimed:
+                        return self._admitted(call, prepared, idempotency, turn)
+                answer = self.replays.follow(call, idempotency, claim, prepared.deadline, follow)  # turn given up
+                if answer is not None:
+                    return answer
+        finally:  # through admission, whatever came of it: the door's view of the line moves on
+            self.room.ended((call.model, call.priority))
 
     def _still_full(self, call: Call) -> None:
         """Raise the QueueFull of the model's last FULL verdict while it is fresh (FULL_HOLD_S): the calls of a
@@ -268,7 +271,7 @@ class Gateway:
               waited_s: float = 0.0) -> QueueFull | Placed:
         """Where a call of a heavy caller arriving now stands in its model's line, as this process sees it
         (:class:`tasks.policy.room.Room`). Its turn at admission comes once the calls this process let in before
-        it have had their verdicts, at the pace it gives them. Refused (Overloaded) when that turn would come
+        it are through, at the pace it takes calls through. Refused (Overloaded) when that turn would come
         later than the door's bound (``LLMB_DOOR_MAX_DELAY_MS`` from its arrival, ``waited_s`` ago), where the
         door would refuse it then; refused (QueueFull) when the fleet could not answer it within ``timeout_s``
         by the cap the admission script applies, reckoned at its turn; otherwise let in and counted ahead of

@@ -12,14 +12,14 @@ model's line, so a request can be placed the moment its bytes arrive:
 * plus the requests this process has let in that have not had their verdict yet, times the API processes that
   share the load (the others are taking in their part of the same burst, unseen until the next verdict).
 
-A request's turn comes once the requests this process let in before it have had their verdicts, at the pace it
-gives verdicts while requests wait (:meth:`Room.pace`, measured over the last second). A request whose place is
+A request's turn comes once the requests this process let in before it are through admission, at the pace it
+takes them through while requests wait (:meth:`Room.pace`, measured over the last second). A request whose place is
 beyond what the fleet can answer within its deadline (the same cap the admission script applies, reckoned at
 the request's turn: :meth:`tasks.gateway.gateway.Gateway.place`), or whose turn would come past the door's bound,
 is refused at once;
 the others go on, in arrival order, to the admission script, which stays the judge. A request let in wrongly
 gets the script's own refusal, but only at its turn; one refused wrongly loses an answer. A request let in that
-never reaches a verdict (a 400, a client gone) stops counting after ``pending_ttl_s``.
+never reaches admission (a 400, a client gone) stops counting after ``pending_ttl_s``.
 """
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ class Room:
         return sum(len(line.pending) for line in self._lines.values())
 
     def pace(self) -> float | None:
-        """Verdicts a second this process gives while requests it let in wait for theirs, over the last
-        ``PACE_WINDOW_S`` (None: too few to tell).
+        """Requests a second this process takes through admission while requests it let in wait for their turn,
+        over the last ``PACE_WINDOW_S`` (None: too few to tell).
 
         Not the gate's drain rate (its slots over the mean time in one): logged under a 5,000-call flood, that
         read 5,000-23,000 a second while the process was idle and 215 a second as the flood landed, while the
@@ -105,14 +105,20 @@ class Room:
 
     def decided(self, key: Hashable, count: int, rate: float) -> None:
         """An admission verdict for a request of ``key``: the model counted ``count`` items (with the request, when
-        it was admitted), and the fleet answers ``rate`` items a second. The oldest request let in stops
-        counting as pending (verdicts come in about the order requests went in)."""
+        it was admitted), and the fleet answers ``rate`` items a second."""
         line = self._lines.setdefault(key, _Line())
         line.count, line.seen_at, line.rate = count, self.clock(), rate
+
+    def ended(self, key: Hashable) -> None:
+        """A request of ``key`` is through admission, whatever came of it (admitted, refused, or failed: a Redis
+        outage's 503s must not stand in the line for ``pending_ttl_s`` and make the next calls look late). The
+        oldest request let in stops counting as pending (they go through in about the order they came)."""
+        now = self.clock()
+        line = self._lines.setdefault(key, _Line())
         if line.pending:
             line.pending.popleft()
         if any(other.pending for other in self._lines.values()):
-            self._paced.append(line.seen_at)
+            self._paced.append(now)
 
     def _expire(self, line: _Line, now: float) -> None:
         while line.pending and now - line.pending[0] > self.pending_ttl_s:
