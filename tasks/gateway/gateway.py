@@ -12,8 +12,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Generator, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import replace
 from functools import partial
 from typing import TypeVar
@@ -69,6 +69,18 @@ def _decided(outcomes: Sequence[Waiter | BatchingError | None]) -> list[Waiter |
     decided = [o for o in outcomes if o is not None]
     assert len(decided) == len(outcomes), "one outcome per call"
     return decided
+
+
+class _LineTurn(Turn):
+    """A call's turn at the gate that, given up, also ends its place in the door's view of the line."""
+
+    def __init__(self, turn: Turn, through: Callable[[], None]) -> None:
+        super().__init__()
+        self._turn, self._through = turn, through
+
+    def leave(self) -> None:
+        self._turn.leave()
+        self._through()
 
 
 class Gateway:
@@ -234,11 +246,19 @@ class Gateway:
         With ``idempotency`` the key is claimed (one Lua call) just before admission; when it names an earlier
         call, that call is followed instead (:meth:`Replays.follow`). Any refusal before the request is published
         releases the key."""
+        done = False
+
+        def through() -> None:  # once: when its turn is given up, or when it ends without one
+            nonlocal done
+            if not done:
+                done = True
+                self.room.ended((call.model, call.priority))
+
         try:
             while True:
                 if idempotency is None:  # a retry may be answered from its first call: it needs no room
                     self._still_full(call)
-                with self._turn(call.tenant) as turn:
+                with self._turn(call.tenant, through) as turn:
                     prepared = self._prepare(call, shape)
                     claim = None
                     if idempotency is not None:
@@ -253,7 +273,7 @@ class Gateway:
                 if answer is not None:
                     return answer
         finally:  # through admission, whatever came of it: the door's view of the line moves on
-            self.room.ended((call.model, call.priority))
+            through()
 
     def _still_full(self, call: Call) -> None:
         """Raise the QueueFull of the model's last FULL verdict while it is fresh (FULL_HOLD_S): the calls of a
@@ -319,9 +339,14 @@ class Gateway:
             return self.settings.admission.cap
         return self.cap_for(call.model, remaining_s)
 
-    def _turn(self, tenant: str) -> AbstractContextManager[Turn]:
-        """A call's turn through admission (at once when the process has no gate, or for a light tenant)."""
-        return nullcontext(NO_GATE) if self.gate is None else self.gate.passage(tenant)
+    @contextmanager
+    def _turn(self, tenant: str, through: Callable[[], None]) -> Iterator[Turn]:
+        """A call's turn through admission (at once when the process has no gate, or for a light tenant). Giving
+        it up before the broker's confirm also takes the call out of the door's view of the line (``through``):
+        the confirm takes no admission work, and under a broker alarm it takes seconds."""
+        passage: AbstractContextManager[Turn] = nullcontext(NO_GATE) if self.gate is None else self.gate.passage(tenant)
+        with passage as turn:
+            yield _LineTurn(turn, through)
 
     def _admitted(self, call: Call, prepared: Prepared, idempotency: Idempotency | None, turn: Turn) -> Entered:
         try:
