@@ -16,7 +16,7 @@ class Clock:
 
 def test_a_line_nothing_is_known_of_is_empty_and_not_tight() -> None:
     room = Room(processes=2, pending_ttl_s=3.0, clock=Clock())
-    assert room.place(KEY) == 0 and room.pending(KEY) == 0
+    assert room.place(KEY) == 0 and room.waiting() == 0
 
 
 def test_requests_let_in_count_for_every_process_sharing_the_load_until_their_verdict() -> None:
@@ -24,12 +24,12 @@ def test_requests_let_in_count_for_every_process_sharing_the_load_until_their_ve
     room = Room(processes=2, pending_ttl_s=3.0, clock=clock)
     for _ in range(5):
         room.let_in(KEY)
-    assert room.place(KEY) == 10 and room.pending(KEY) == 5  # the other process is taking in its part too
+    assert room.place(KEY) == 10 and room.waiting() == 5  # the other process is taking in its part too
     room.decided(KEY, count=40, rate=400.0)  # admitted: the model counts 40 items, this one among them
     room.ended(KEY)  # ... and through admission
-    assert room.pending(KEY) == 4 and room.place(KEY) == 40 + 2 * 4
+    assert room.waiting() == 4 and room.place(KEY) == 40 + 2 * 4
     room.ended(KEY)  # one through admission without a verdict (a Redis outage's 503): it stops counting too
-    assert room.pending(KEY) == 3 and room.place(KEY) == 40 + 2 * 3
+    assert room.waiting() == 3 and room.place(KEY) == 40 + 2 * 3
     assert room.place(("sim", "offline")) == 0  # another class's line is another line
 
 
@@ -50,7 +50,7 @@ def test_a_request_let_in_that_never_gets_a_verdict_stops_counting() -> None:
     clock.now += 2.0
     room.let_in(KEY)
     clock.now += 1.5  # the first is 3.5 s old: a 400, or a caller gone
-    assert room.pending(KEY) == 1 and room.place(KEY) == 2
+    assert room.waiting() == 1 and room.place(KEY) == 2
 
 
 def test_every_line_counts_towards_the_wait_for_a_turn() -> None:

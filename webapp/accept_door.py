@@ -57,8 +57,9 @@ class AcceptDoor:
 
         ``arriving``: its bytes have just come (it arrived at ``arrived_at``, where its deadline starts; None:
         now), and it is judged by its place in its model's line (:class:`Lines`): IN_LINE when that let it in.
-        ``in_line``: such a request at its turn, ``delay`` after its arrival: only lateness refuses it then (its
-        line was judged when it arrived; the expected wait at the gate would judge it twice)."""
+        ``in_line``: such a request at its intake turn, ``delay`` after its arrival: only lateness refuses it then
+        (its line was judged when it arrived; the expected wait at the gate would judge it twice). The door in
+        front of Flask (:class:`webapp.door.DoorMiddleware`) still judges it by that wait."""
         judging = arriving and self.lines is not None
         late_only = in_line and delay is not None
         behind = self.door.lateness(delay).late if late_only else self.door.behind_at_accept(delay)  # type: ignore[arg-type]

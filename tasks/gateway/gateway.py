@@ -309,8 +309,8 @@ class Gateway:
             return Placed.UNKNOWN
         key = (model, priority)
         ahead = self.room.place(key)
-        verdicts_per_s = self.room.pace() or ROOM_ADMITS_PER_S
-        turn_s = self.room.waiting() / verdicts_per_s
+        through_per_s = self.room.pace() or ROOM_ADMITS_PER_S
+        turn_s = self.room.waiting() / through_per_s
         bound_s = self.settings.admission.door_max_delay_s
         if bound_s and waited_s + turn_s > bound_s:
             return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))

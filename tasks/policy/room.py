@@ -9,7 +9,7 @@ model's line, so a request can be placed the moment its bytes arrive:
 
 * the count the last admission verdict saw (the script's ``ok:<n>`` or ``full:<n>``), less what the fleet has
   answered since at its measured rate;
-* plus the requests this process has let in that have not had their verdict yet, times the API processes that
+* plus the requests this process has let in that are not through admission yet, times the API processes that
   share the load (the others are taking in their part of the same burst, unseen until the next verdict).
 
 A request's turn comes once the requests this process let in before it are through admission, at the pace it
@@ -19,7 +19,9 @@ the request's turn: :meth:`tasks.gateway.gateway.Gateway.place`), or whose turn 
 is refused at once;
 the others go on, in arrival order, to the admission script, which stays the judge. A request let in wrongly
 gets the script's own refusal, but only at its turn; one refused wrongly loses an answer. A request let in that
-never reaches admission (a 400, a client gone) stops counting after ``pending_ttl_s``.
+never reaches admission (a 400, a client gone) stops counting after ``pending_ttl_s``. Requests are not told
+apart: any request through admission (one that went the usual way, a light caller's) takes the oldest let in
+off its line, so the count is about right under a flood, where nearly every request was let in here.
 """
 from __future__ import annotations
 
@@ -32,12 +34,12 @@ from enum import Enum
 class Placed(Enum):
     """A request the view of its line did not refuse."""
 
-    IN_LINE = "in_line"  # let in, and counted ahead of the next until its verdict
+    IN_LINE = "in_line"  # let in, and counted ahead of the next until it is through admission
     UNKNOWN = "unknown"  # nothing known to judge it by (no live worker of its model seen yet): the usual way
 
 
-PACE_WINDOW_S = 1.0  # the pace of verdicts is measured over this long...
-PACE_MIN_VERDICTS = 16  # ... from at least this many (fewer: not known)
+PACE_WINDOW_S = 1.0  # the pace of requests through admission is measured over this long...
+PACE_MIN_CALLS = 16  # ... from at least this many (fewer: not known)
 
 
 @dataclass
@@ -45,19 +47,20 @@ class _Line:
     count: int = 0  # the model's items counted by the last verdict
     seen_at: float = 0.0  # when
     rate: float = 0.0  # items per second the fleet answers (its measured throughput then)
-    pending: deque[float] = field(default_factory=deque)  # when each request let in and not yet decided arrived
+    pending: deque[float] = field(default_factory=deque)  # when each request let in, not yet through, arrived
 
 
 class Room:
     """Each model's (and class's) line as this process sees it: :meth:`place` of a request arriving now, against
-    which the door compares the deadline cap; :meth:`let_in` and :meth:`decided` keep the requests between."""
+    which the door compares the deadline cap, and :meth:`waiting` / :meth:`pace` for when its turn comes;
+    :meth:`let_in`, :meth:`decided` and :meth:`ended` keep it up to date."""
 
     def __init__(self, processes: int, pending_ttl_s: float, clock: Callable[[], float]) -> None:
         self.processes = max(1, processes)
         self.pending_ttl_s = pending_ttl_s
         self.clock = clock
         self._lines: dict[Hashable, _Line] = {}
-        self._paced: deque[float] = deque()  # when each recent verdict came while requests let in waited behind it
+        self._paced: deque[float] = deque()  # when each recent request got through while others let in waited
 
     def place(self, key: Hashable) -> float:
         """Items ahead of a request of ``key`` arriving now (0 when nothing is known of its line)."""
@@ -69,17 +72,9 @@ class Room:
         drained = max(0.0, line.count - line.rate * (now - line.seen_at))
         return drained + self.processes * len(line.pending)
 
-    def pending(self, key: Hashable) -> int:
-        """Requests of ``key`` this process has let in that are still waiting for their verdict."""
-        line = self._lines.get(key)
-        if line is None:
-            return 0
-        self._expire(line, self.clock())
-        return len(line.pending)
-
     def waiting(self) -> int:
-        """Requests of every line this process has let in that are still waiting for their verdict: all of them
-        go through its admission before a request arriving now."""
+        """Requests of every line this process has let in that are not through admission yet: all of them go
+        through it before a request arriving now."""
         now = self.clock()
         for line in self._lines.values():
             self._expire(line, now)
@@ -95,12 +90,12 @@ class Room:
         now = self.clock()
         while self._paced and now - self._paced[0] > PACE_WINDOW_S:
             self._paced.popleft()
-        if len(self._paced) < PACE_MIN_VERDICTS:
+        if len(self._paced) < PACE_MIN_CALLS:
             return None
         return len(self._paced) / max(now - self._paced[0], 1e-3)
 
     def let_in(self, key: Hashable) -> None:
-        """A request of ``key`` goes on to admission: it counts ahead of the next until its verdict."""
+        """A request of ``key`` goes on to admission: it counts ahead of the next until it is through."""
         self._lines.setdefault(key, _Line()).pending.append(self.clock())
 
     def decided(self, key: Hashable, count: int, rate: float) -> None:
