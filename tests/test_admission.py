@@ -8,7 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from tasks.policy.capacity import deadline_cap, recommended_workers, retry_after_s
+from tasks.policy.capacity import deadline_cap, left_after, recommended_workers, retry_after_s
 from tasks.schema import Priority, WorkerInfo
 from tasks.state.admission import Admission, AdmitCall, CollectCall, Ticket, Verdict
 from tasks.state.model_load import model_load
@@ -60,6 +60,21 @@ def test_retry_after_is_the_time_the_work_ahead_takes_to_drain() -> None:
     assert retry_after_s(1800, [w(250.0), w(250.0)]) == 3  # twice the devices, half the wait
     assert retry_after_s(10, [w(250.0)], floor_s=2) == 2  # never below the configured floor
     assert retry_after_s(10**6, [w(250.0)]) == 60  # nor above a minute
+
+
+def test_a_line_is_shorter_by_what_the_fleet_answers_before_a_turn_comes() -> None:
+    def w(batch_ms: float) -> WorkerInfo:
+        return WorkerInfo(id="w", queue="q", model="sim", max_batch=100, state="idle", outstanding=0, completed=0,
+                          batch_started_at=None, batch_ms_estimate=batch_ms, heartbeat_at=0.0)
+
+    assert left_after(1000, [w(250.0)], 0.0) == 1000  # a turn now: nothing answered yet
+    assert left_after(1000, [w(250.0)], 0.25) == 1000  # within one batch time: nothing counted as answered
+    assert left_after(1000, [w(250.0)], 1.25) == 600  # then 400 a second
+    assert left_after(1000, [w(250.0), w(250.0)], 1.25) == 200  # two workers, twice that
+    assert left_after(1000, [w(250.0), w(500.0)], 1.5) == 1000 - 600 * 1.0  # (400 + 200)/s after the slower batch
+    assert left_after(1000, [w(250.0)], 10.0) == 0  # never below nothing
+    assert left_after(1000, [], 10.0) == 1000  # no worker known: nothing drains
+    assert left_after(1000, [w(0.0)], 10.0) == 1000  # nor before any batch is measured
 
 
 def test_each_verdict_says_how_much_the_model_holds() -> None:

@@ -27,9 +27,10 @@ from flask import Flask
 from flask.testing import FlaskClient
 
 from tasks.config import Settings
-from tasks.errors import InvalidInput, Overloaded, QueueFull
+from tasks.errors import InvalidInput, Overloaded, QueueFull, Unavailable
+from tasks.gateway.calls import Call
 from tasks.gateway.gateway import ROOM_ADMITS_PER_S
-from tasks.policy.capacity import deadline_cap
+from tasks.policy.capacity import deadline_cap, left_after
 from tasks.policy.refusal import FULL_HOLD_S
 from tasks.policy.room import Placed
 from tasks.schema import Priority, WorkerInfo
@@ -238,10 +239,14 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     assert placed[:let_in] == [Placed.IN_LINE] * let_in  # in arrival order
     refused = placed[let_in]
     assert isinstance(refused, QueueFull) and refused.type == "queue_full" and (refused.retry_after_s or 0) >= 1
-    cap_now = deadline_cap(workers, 5.0, gateway.settings.admission.cap)
-    at_turn = deadline_cap(workers, 5.0 - let_in / ROOM_ADMITS_PER_S, gateway.settings.admission.cap)
-    assert 2 * let_in <= cap_now  # never past what the script would admit for the whole timeout
-    assert 2 * (let_in + 1) > at_turn >= 2 * let_in  # all that fit by their turn, and no more
+
+    def fits(n: int) -> bool:  # the n-th call: 2n ahead (both processes), less what the worker answers by its turn
+        turn_s = n / ROOM_ADMITS_PER_S
+        return left_after(2 * n, workers, turn_s) + 1 <= deadline_cap(workers, 5.0 - turn_s,
+                                                                      gateway.settings.admission.cap)
+
+    assert fits(let_in - 1) and not fits(let_in)  # all that fit by their turn, and no more
+    assert 2 * let_in > deadline_cap(workers, 5.0, gateway.settings.admission.cap)  # more than fit at once
     assert gateway.place("sim", Priority.OFFLINE, 5.0) is Placed.IN_LINE  # another class: another line
     shorter = [gateway.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
     assert 0 < shorter < let_in  # less time, less room
@@ -255,6 +260,45 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     late = gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s + 0.05)
     assert isinstance(late, Overloaded) and late.type == "overloaded" and late.retry_after_s == math.ceil(turn_s)
     assert gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s - 0.05) is Placed.IN_LINE
+
+
+def test_a_call_leaves_the_doors_line_once_only_the_brokers_confirm_is_left(tmp_path: Path) -> None:
+    """Admitted, a call gives its turn at the gate up before the broker's confirm (under a broker alarm that
+    confirm takes the whole publish timeout), and with it its place in the door's view of the line: a call
+    arriving meanwhile is not reckoned to wait for it."""
+    database_url = f"sqlite:///{tmp_path / 'keys.db'}"
+    Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
+    app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
+                                                  "database_url": database_url}))
+    gateway = services(app).gateway
+    assert gateway.gate is not None, "the shipped settings put a gate in front of admission"
+    confirming, alarm_over = threading.Event(), threading.Event()
+
+    def confirm_held(prepared: object) -> Unavailable:  # the publish of a blocked broker, until the test ends it
+        confirming.set()
+        alarm_over.wait(10)
+        return Unavailable("the broker blocked publishing (a resource alarm)")
+
+    gateway._publish = confirm_held  # type: ignore[method-assign,assignment]
+    gateway._unserved = lambda model: None  # type: ignore[method-assign]  # as if a worker of sim were up
+    gateway.room.let_in(("sim", Priority.INTERACTIVE))  # the door let it in as it arrived
+    outcome: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            gateway.submit(Call(f"r{time.monotonic_ns()}", "t", "sim", ("x",), 5000, received_at=time.monotonic()))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    caller = threading.Thread(target=submit)
+    caller.start()
+    try:
+        assert confirming.wait(10), "the call was admitted and is being published"
+        assert gateway.room.waiting() == 0, "through admission: it no longer stands in the door's line"
+    finally:
+        alarm_over.set()
+        caller.join(10)
+    assert len(outcome) == 1 and isinstance(outcome[0], Unavailable)
 
 
 def _gunicorn_conf(**env: object) -> dict[str, int]:

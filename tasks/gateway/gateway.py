@@ -34,7 +34,7 @@ from tasks.gateway.prepared import Joining, Prepared, request_of
 from tasks.gateway.resume import Resumer
 from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
 from tasks.gateway.waiting import Entered, Waiter, Waiting
-from tasks.policy.capacity import deadline_cap, throughput
+from tasks.policy.capacity import deadline_cap, left_after, throughput
 from tasks.policy.refusal import HeldFull, admission_refusal, deadline_refusal, shortest_answer_s, token_demand
 from tasks.policy.room import Placed, Room
 from tasks.policy.shedding import too_slow
@@ -294,7 +294,8 @@ class Gateway:
         it are through, at the pace it takes calls through. Refused (Overloaded) when that turn would come
         later than the door's bound (``LLMB_DOOR_MAX_DELAY_MS`` from its arrival, ``waited_s`` ago), where the
         door would refuse it then; refused (QueueFull) when the fleet could not answer it within ``timeout_s``
-        by the cap the admission script applies, reckoned at its turn; otherwise let in and counted ahead of
+        by the cap the admission script applies, reckoned at its turn (the line shorter by then by what the
+        fleet answers meanwhile: :func:`tasks.policy.capacity.left_after`); otherwise let in and counted ahead of
         the next. Nothing is judged while no live worker of the model is known (its answer comes the usual
         way)."""
         fleet = self.workers.last  # the view admission keeps fresh: no I/O here
@@ -314,7 +315,8 @@ class Gateway:
         bound_s = self.settings.admission.door_max_delay_s
         if bound_s and waited_s + turn_s > bound_s:
             return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))
-        if ahead + 1 > deadline_cap(workers, timeout_s - turn_s, self.settings.admission.cap):
+        at_turn = left_after(ahead, workers, turn_s)  # the fleet works through the line meanwhile
+        if at_turn + 1 > deadline_cap(workers, timeout_s - turn_s, self.settings.admission.cap):
             return admission_refusal(Verdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
                                      hashes=(), workers=workers, admission_cap=self.settings.admission.cap,
                                      retry_floor_s=self.settings.admission.retry_after_s)  # type: ignore[return-value]

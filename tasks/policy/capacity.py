@@ -4,6 +4,7 @@ Both come from the live workers' own measurements (batch size over the moving av
 
 - :func:`deadline_cap` is how many items may be in flight for a new request still to be answered in time,
   so overload is refused at once rather than left to time out;
+- :func:`left_after` is what is left of a line some seconds from now, the fleet working through it meanwhile;
 - :func:`retry_after_s` is when a refused caller should come back: once the work ahead of it has drained at
   the fleet's measured rate;
 - :func:`recommended_workers` is the steady-state worker count for a model's arrival rate, the autoscaling
@@ -49,6 +50,18 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     batch_s = max(w.batch_ms_estimate for w in workers) / 1000
     fits = rate * (timeout_s - 2 * batch_s)
     return min(configured, max(floor, int(floor + (fits - floor) * QUEUE_SHARE)))
+
+
+def left_after(ahead: float, workers: Sequence[WorkerInfo], seconds: float) -> float:
+    """Of ``ahead`` items in flight or on their way to admission, those still unanswered ``seconds`` from now:
+    the fleet works through them meanwhile at its throughput, after one batch time (the batch it may have to
+    start, or the one running for others). A request whose turn at admission is a second away finds the line
+    shorter by then: under a 3,000-call burst into an idle worker, reckoning its place as if nothing drained
+    refused every call past about 980, while the worker ran out of work 1.5 s before the last of them was due."""
+    if not workers:
+        return ahead
+    batch_s = max(w.batch_ms_estimate for w in workers) / 1000
+    return max(0.0, ahead - throughput(workers) * max(0.0, seconds - batch_s))
 
 
 def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headroom: float) -> int | None:
