@@ -68,10 +68,10 @@ def test_a_line_is_shorter_by_what_the_fleet_answers_before_a_turn_comes() -> No
                           batch_started_at=None, batch_ms_estimate=batch_ms, heartbeat_at=0.0)
 
     assert left_after(1000, [w(250.0)], 0.0) == 1000  # a turn now: nothing answered yet
-    assert left_after(1000, [w(250.0)], 0.25) == 1000  # within one batch time: nothing counted as answered
-    assert left_after(1000, [w(250.0)], 1.25) == 600  # then 400 a second
-    assert left_after(1000, [w(250.0), w(250.0)], 1.25) == 200  # two workers, twice that
-    assert left_after(1000, [w(250.0), w(500.0)], 1.5) == 1000 - 600 * 1.0  # (400 + 200)/s after the slower batch
+    assert left_after(1000, [w(250.0)], 0.5) == 1000  # within two batch times: nothing counted as answered
+    assert left_after(1000, [w(250.0)], 1.5) == 600  # then 400 a second
+    assert left_after(1000, [w(250.0), w(250.0)], 1.5) == 200  # two workers, twice that
+    assert left_after(1000, [w(250.0), w(500.0)], 2.0) == 1000 - 600 * 1.0  # (400 + 200)/s after two slow batches
     assert left_after(1000, [w(250.0)], 10.0) == 0  # never below nothing
     assert left_after(1000, [], 10.0) == 1000  # no worker known: nothing drains
     assert left_after(1000, [w(0.0)], 10.0) == 1000  # nor before any batch is measured

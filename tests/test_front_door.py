@@ -223,7 +223,8 @@ def test_a_full_verdict_is_held_for_a_moment_for_the_calls_of_its_model_and_clas
 
 def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(tmp_path: Path) -> None:
     """The gateway's view of a line (Gateway.place): calls arriving at once are let in, counted for each of the
-    two API processes sharing the load, while the fleet could answer them within their time left at their turn;
+    two API processes sharing the load, while the fleet could answer them within their time left at their turn
+    (the line shorter by then by what the fleet answers meanwhile);
     the next is refused with the admission script's own refusal. A verdict puts the model's real count in."""
     database_url = f"sqlite:///{tmp_path / 'keys.db'}"
     Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
@@ -246,7 +247,10 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
                                                                       gateway.settings.admission.cap)
 
     assert fits(let_in - 1) and not fits(let_in)  # all that fit by their turn, and no more
-    assert 2 * let_in > deadline_cap(workers, 5.0, gateway.settings.admission.cap)  # more than fit at once
+    cap = gateway.settings.admission.cap
+    if_none_answered = next(n for n in range(2000)
+                            if 2 * n + 1 > deadline_cap(workers, 5.0 - n / ROOM_ADMITS_PER_S, cap))
+    assert let_in > 1.2 * if_none_answered  # the worker answers some before the last one's turn
     assert gateway.place("sim", Priority.OFFLINE, 5.0) is Placed.IN_LINE  # another class: another line
     shorter = [gateway.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
     assert 0 < shorter < let_in  # less time, less room

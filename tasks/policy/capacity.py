@@ -54,14 +54,14 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
 
 def left_after(ahead: float, workers: Sequence[WorkerInfo], seconds: float) -> float:
     """Of ``ahead`` items in flight or on their way to admission, those still unanswered ``seconds`` from now:
-    the fleet works through them meanwhile at its throughput, after one batch time (the batch it may have to
-    start, or the one running for others). A request whose turn at admission is a second away finds the line
+    the fleet works through them meanwhile at its throughput, after two batch times (as in :func:`deadline_cap`:
+    the batch running when the first of them arrives, and the first batch of them). A request whose turn at admission is a second away finds the line
     shorter by then: under a 3,000-call burst into an idle worker, reckoning its place as if nothing drained
     refused every call past about 980, while the worker ran out of work 1.5 s before the last of them was due."""
     if not workers:
         return ahead
     batch_s = max(w.batch_ms_estimate for w in workers) / 1000
-    return max(0.0, ahead - throughput(workers) * max(0.0, seconds - batch_s))
+    return max(0.0, ahead - throughput(workers) * max(0.0, seconds - 2 * batch_s))
 
 
 def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headroom: float) -> int | None:
