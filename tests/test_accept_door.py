@@ -21,7 +21,7 @@ from tasks.schema import Priority
 from tasks.store.directory import TenantDirectory
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
-from webapp import worker
+from webapp import accept_door, worker
 from webapp.accept_door import AcceptDoor, Lines
 from webapp.app import is_inference
 from webapp.worker import AtDoor
@@ -118,6 +118,10 @@ class Verdicts:
         self.room: dict[tuple[str, Priority], int] = {}
         self.placed: list[tuple[str, Priority, float, float]] = []
         self.late: QueueFull | None = None  # what the gateway says of a call whose turn would come too late
+        self.forming = True  # calls let in on arrival wait for admission
+
+    def line_forming(self) -> bool:
+        return self.forming
 
     def place(self, model: str, priority: Priority, timeout_s: float,
               waited_s: float = 0.0) -> QueueFull | Placed:
@@ -289,9 +293,10 @@ def test_an_arriving_call_is_placed_in_its_line_and_refused_from_its_bytes_beyon
 
 
 def test_a_body_a_moment_behind_its_headers_is_placed_on_arrival_all_the_same(
-        tenants: tuple[KeyStore, TenantDirectory]) -> None:
-    """aiohttp writes a request's headers and its body separately: the door looks again for a moment rather than
-    letting such a call through unjudged."""
+        tenants: tuple[KeyStore, TenantDirectory], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some clients write a request's headers and its body separately: while a line is forming the door looks
+    again for a moment rather than letting such a call through unjudged; otherwise the call goes the usual way at
+    once, without waiting for its body."""
     _store, directory = tenants
     directory.policy("default")
     verdicts = Verdicts()
@@ -306,6 +311,15 @@ def test_a_body_a_moment_behind_its_headers_is_placed_on_arrival_all_the_same(
     started = time.monotonic()
     assert accept(partial, arriving=True) is AtDoor.USUAL
     assert time.monotonic() - started < 0.5
+    verdicts.forming, placed = False, len(verdicts.placed)  # no line: nothing to count it in
+    waits: list[float] = []
+    monkeypatch.setattr(accept_door.gevent, "sleep", waits.append)
+    _, server = connection(data[:head_end])
+    assert accept(server, arriving=True) is AtDoor.USUAL and len(verdicts.placed) == placed
+    assert waits == [], "it went on without waiting for its body"
+    verdicts.forming = True
+    _, server = connection(data[:head_end])
+    assert accept(server, arriving=True) is AtDoor.USUAL and waits == [accept_door.BODY_WAIT_S] * 3
 
 
 def test_a_call_let_in_by_its_line_is_refused_at_its_turn_only_when_late(

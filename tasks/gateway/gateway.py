@@ -323,6 +323,11 @@ class Gateway:
         self.room.let_in(key)
         return Placed.IN_LINE
 
+    def line_forming(self) -> bool:
+        """Whether calls this process let in on arrival are waiting for admission: only then is an arriving call
+        whose body trails its headers worth waiting a moment for (:mod:`webapp.accept_door`)."""
+        return self.room.waiting() > 0
+
     def holds_full(self) -> bool:
         """Whether any FULL verdict is fresh: the door looks for one at accept only then."""
         return self.full.any_fresh(time.monotonic())

@@ -55,9 +55,10 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
 def left_after(ahead: float, workers: Sequence[WorkerInfo], seconds: float) -> float:
     """Of ``ahead`` items in flight or on their way to admission, those still unanswered ``seconds`` from now:
     the fleet works through them meanwhile at its throughput, after two batch times (as in :func:`deadline_cap`:
-    the batch running when the first of them arrives, and the first batch of them). A request whose turn at admission is a second away finds the line
-    shorter by then: under a 3,000-call burst into an idle worker, reckoning its place as if nothing drained
-    refused every call past about 980, while the worker ran out of work 1.5 s before the last of them was due."""
+    the batch running when the first of them arrives, and the first batch of them). A request whose turn at
+    admission is a second away finds the line shorter by then: under a 3,000-call burst into an idle worker,
+    reckoning its place as if nothing drained refused every call past about 980, while the worker ran out of
+    work 1.5 s before the last of them was due."""
     if not workers:
         return ahead
     batch_s = max(w.batch_ms_estimate for w in workers) / 1000
