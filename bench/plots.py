@@ -87,7 +87,7 @@ def draw(report: dict[str, Any], out: Path) -> None:
         for status, color in ((200, "tab:blue"), (429, "tab:orange"), (504, "tab:red")):
             pts = [(r["t"], r["ms"]) for r in records if r["status"] == status]
             if pts:
-                ax.scatter(*zip(*pts), s=3, color=color, label=str(status))
+                ax.scatter([t for t, _ in pts], [ms for _, ms in pts], s=3, color=color, label=str(status))
         ax.axvline(fault["killed_at_s"], color="black", linestyle="--", label="worker SIGKILLed")
         ax.set(xlabel="time request was sent (s)", ylabel="latency (ms)",
                title="Latency over time around a worker crash (60% load)")

@@ -177,6 +177,8 @@ class Admission:
     """What an API process admits, how fast it sheds what it cannot serve in time, and the deadlines."""
     cap: int = setting(10_000, "admission_cap",
         "Most interactive items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.")
+    queue_share: float = setting(0.75, "queue_share",
+        "Share of what the fleet can answer within a request's deadline (its measured throughput x the deadline less two batch times, beyond one batch per worker) that admission fills before refusing with 429 queue_full; the rest is margin. Higher absorbs more of a burst (1.0 and 0.9 answered 1,550 and 1,400 of 3,000 calls at once into one 400/s worker with 5 s deadlines, 0.75 about 1,180) but makes every caller of a steady overload wait closer to its deadline (300%: p50 3.6 s at 0.9, 3.1 s at 0.75, the same goodput). Between 0.1 and 1.")
     offline_cap: int = setting(10_000, "offline_admission_cap",
         "Most offline items admitted and not yet answered, across all API processes (offline items do not count against LLMB_ADMISSION_CAP, so an offline backlog never closes the door to interactive callers).")
     api_lease_s: float = setting(5.0, "api_lease_s",
@@ -199,6 +201,10 @@ class Admission:
         "Largest timeout_ms an offline request may ask for.")
     retry_after_s: int = setting(1, "retry_after_s",
         "Smallest Retry-After (s) sent with 429; a refusal for room says when the work ahead will have drained at the measured rate.")
+
+    def __post_init__(self) -> None:
+        if not 0.1 <= self.queue_share <= 1.0:
+            raise ValueError(f"LLMB_QUEUE_SHARE={self.queue_share} is not between 0.1 and 1")
 
 
 @dataclass(frozen=True)

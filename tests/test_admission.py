@@ -8,6 +8,7 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from tasks.config import Settings
 from tasks.policy.capacity import deadline_cap, left_after, recommended_workers, retry_after_s
 from tasks.schema import Priority, WorkerInfo
 from tasks.state.admission import Admission, AdmitCall, CollectCall, Ticket, Verdict
@@ -27,13 +28,17 @@ def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> Non
         return WorkerInfo(id="w", queue="q", model="sim", max_batch=100, state="idle", outstanding=0, completed=0,
                           batch_started_at=None, batch_ms_estimate=batch_ms, heartbeat_at=0.0)
 
-    assert deadline_cap([], 5.0, 10_000) == 10_000  # nothing measured yet: the configured cap
-    assert deadline_cap([w(0.0)], 5.0, 10_000) == 10_000
+    assert deadline_cap([], 5.0, 10_000, 0.75) == 10_000  # nothing measured yet: the configured cap
+    assert deadline_cap([w(0.0)], 5.0, 10_000, 0.75) == 10_000
     # a batch per worker, and 3/4 of the rest of what 400 items/s answer in 5 s less two batches
-    assert deadline_cap([w(250.0)], 5.0, 10_000) == 100 + (1800 - 100) * 3 // 4
-    assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000) == 200 + (600 - 200) * 3 // 4  # (400 + 200)/s, slow batches
-    assert deadline_cap([w(250.0)], 0.1, 10_000) == 100  # never below one full batch per worker
-    assert deadline_cap([w(250.0)], 300.0, 10_000) == 10_000  # never above the configured cap
+    assert deadline_cap([w(250.0)], 5.0, 10_000, 0.75) == 100 + (1800 - 100) * 3 // 4
+    assert deadline_cap([w(250.0)], 5.0, 10_000, 1.0) == 1800  # all of it, at LLMB_QUEUE_SHARE=1
+    # (400 + 200)/s, slow batches
+    assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000, 0.75) == 200 + (600 - 200) * 3 // 4
+    assert deadline_cap([w(250.0)], 0.1, 10_000, 0.75) == 100  # never below one full batch per worker
+    assert deadline_cap([w(250.0)], 300.0, 10_000, 0.75) == 10_000  # never above the configured cap
+    with pytest.raises(ValueError, match=r"LLMB_QUEUE_SHARE=1\.5 is not between 0\.1 and 1"):
+        Settings.of(queue_share=1.5)
 
 
 def test_recommended_workers_follow_arrival_rate_batch_time_and_headroom() -> None:

@@ -241,15 +241,15 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     refused = placed[let_in]
     assert isinstance(refused, QueueFull) and refused.type == "queue_full" and (refused.retry_after_s or 0) >= 1
 
+    cap, share = gateway.settings.admission.cap, gateway.settings.admission.queue_share
+
     def fits(n: int) -> bool:  # the n-th call: 2n ahead (both processes), less what the worker answers by its turn
         turn_s = n / ROOM_ADMITS_PER_S
-        return left_after(2 * n, workers, turn_s) + 1 <= deadline_cap(workers, 5.0 - turn_s,
-                                                                      gateway.settings.admission.cap)
+        return left_after(2 * n, workers, turn_s) + 1 <= deadline_cap(workers, 5.0 - turn_s, cap, share)
 
     assert fits(let_in - 1) and not fits(let_in)  # all that fit by their turn, and no more
-    cap = gateway.settings.admission.cap
     if_none_answered = next(n for n in range(2000)
-                            if 2 * n + 1 > deadline_cap(workers, 5.0 - n / ROOM_ADMITS_PER_S, cap))
+                            if 2 * n + 1 > deadline_cap(workers, 5.0 - n / ROOM_ADMITS_PER_S, cap, share))
     assert let_in > 1.2 * if_none_answered  # the worker answers some before the last one's turn
     assert gateway.place("sim", Priority.OFFLINE, 5.0) is Placed.IN_LINE  # another class: another line
     shorter = [gateway.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
@@ -264,6 +264,27 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     late = gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s + 0.05)
     assert isinstance(late, Overloaded) and late.type == "overloaded" and late.retry_after_s == math.ceil(turn_s)
     assert gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s - 0.05) is Placed.IN_LINE
+
+
+def test_the_queue_share_sets_how_much_of_a_burst_is_let_in_and_admitted(tmp_path: Path) -> None:
+    """LLMB_QUEUE_SHARE: the cap the door places calls against and the one the admission script is given."""
+    database_url = f"sqlite:///{tmp_path / 'keys.db'}"
+    Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
+    workers = [WorkerInfo(id="gpu0@h", queue="q", model="sim", max_batch=100, state="idle", outstanding=0,
+                          completed=1, batch_started_at=None, batch_ms_estimate=250.0, heartbeat_at=time.time())]
+    let_in, caps = {}, {}
+    for share in (0.75, 1.0):
+        app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
+                                                      "database_url": database_url, "web_workers": 2,
+                                                      "queue_share": share}))
+        gateway = services(app).gateway
+        gateway.workers.last = workers
+        placed = [gateway.place("sim", Priority.INTERACTIVE, 5.0) for _ in range(2000)]
+        let_in[share] = placed.count(Placed.IN_LINE)
+        caps[share] = gateway.cap_for("sim", 5.0, workers)  # the cap the admission script is given
+    assert Settings.from_env().admission.queue_share == 0.75  # the default
+    assert caps == {0.75: deadline_cap(workers, 5.0, 10_000, 0.75), 1.0: deadline_cap(workers, 5.0, 10_000, 1.0)}
+    assert let_in[1.0] > let_in[0.75] > 0
 
 
 def test_a_call_leaves_the_doors_line_once_only_the_brokers_confirm_is_left(tmp_path: Path) -> None:

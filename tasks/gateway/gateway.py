@@ -130,10 +130,12 @@ class Gateway:
     def live_models(self, fresh: bool = False) -> set[str]:
         return {w.model for w in self.live_workers(fresh)}
 
-    def cap_for(self, model: str, timeout_s: float) -> int:
-        """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s``."""
-        workers = [w for w in self.live_workers() if w.model == model]
-        return deadline_cap(workers, timeout_s, self.settings.admission.cap)
+    def cap_for(self, model: str, timeout_s: float, workers: list[WorkerInfo] | None = None) -> int:
+        """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s`` (``workers``:
+        the model's live workers, when the caller has them)."""
+        if workers is None:
+            workers = [w for w in self.live_workers() if w.model == model]
+        return deadline_cap(workers, timeout_s, self.settings.admission.cap, self.settings.admission.queue_share)
 
     def _workers_of(self, model: str) -> list[WorkerInfo] | None:
         """The live workers of ``model`` (None when the fleet cannot be read: that refusal comes later)."""
@@ -316,7 +318,7 @@ class Gateway:
         if bound_s and waited_s + turn_s > bound_s:
             return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))
         at_turn = left_after(ahead, workers, turn_s)  # the fleet works through the line meanwhile
-        if at_turn + 1 > deadline_cap(workers, timeout_s - turn_s, self.settings.admission.cap):
+        if at_turn + 1 > self.cap_for(model, timeout_s - turn_s, workers):
             return admission_refusal(Verdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
                                      hashes=(), workers=workers, admission_cap=self.settings.admission.cap,
                                      retry_floor_s=self.settings.admission.retry_after_s)  # type: ignore[return-value]

@@ -25,26 +25,23 @@ def throughput(workers: Sequence[WorkerInfo]) -> float:
     return sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in workers if w.batch_ms_estimate > 0)
 
 
-# The share of the queue beyond one batch per worker that may be filled. :func:`throughput` is the batch rate of
-# the workers' measured run times, which a fleet under overload does not quite reach (the gaps between batches;
-# 90-97% busy measured on a saturated 2-core host), and an answer still has to get back through an API process
-# that may be short of CPU itself. Filling all of it (1.0), one 250 ms worker's full queue was answered 4.5-5 s
-# after admission against a 4.5 s deadline: 504s and answers after the client's deadline. (A share of the whole,
-# not of the part beyond the running batches, refused calls at 90% load on 2 workers x 1 s batches.) Measured
-# again with today's door (docs/design.md, "the line is shorter"): 1.0 and 0.9 answered 1,550 and 1,400 of a
-# 3,000-call burst into one idle 400/s worker (0.75: 1,180) with no 504, but under a steady overload the
-# device is busy whatever the share, so a larger one only makes every answer later (300%: p50 3.6 s at 0.9,
-# 3.1 s at 0.75, the same goodput), and the burst's refusals came slower (429 p99 up to 0.98 s at 0.9).
-QUEUE_SHARE = 0.75
 
 
-def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int) -> int:
+def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int, share: float) -> int:
     """How many items may be in flight for a new request to still be answered within ``timeout_s``.
 
     The fleet's throughput (batch size over measured batch time, summed over live workers) times the time
     the caller is willing to wait less two batch times (the batch running when its turn comes, and its own):
-    one full batch per worker, and :data:`QUEUE_SHARE` of the rest; never more than the configured cap. A
-    request beyond it would only wait to time out, so it is refused at once instead.
+    one full batch per worker, and ``share`` of the rest (``LLMB_QUEUE_SHARE``); never more than the configured
+    cap. A request beyond it would only wait to time out, so it is refused at once instead.
+
+    The rest is margin. :func:`throughput` is the batch rate of the workers' measured run times, which a fleet
+    under overload does not quite reach (the gaps between batches; 90-97% busy measured on a saturated 2-core
+    host), and an answer still has to get back through an API process that may be short of CPU itself. With
+    the whole of it (1.0) on an earlier door, one 250 ms worker's full queue was answered 4.5-5 s after
+    admission against a 4.5 s deadline: 504s and answers after the client's deadline. (A share of the whole,
+    not of the part beyond the running batches, refused calls at 90% load on 2 workers x 1 s batches.) The
+    share's trade-off, measured with today's door, is in the setting's own description.
     """
     rate = throughput(workers)
     if rate <= 0:
@@ -53,7 +50,7 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
     # an item admitted now waits for those ahead, then for the batch running when its turn comes, then its own
     batch_s = max(w.batch_ms_estimate for w in workers) / 1000
     fits = rate * (timeout_s - 2 * batch_s)
-    return min(configured, max(floor, int(floor + (fits - floor) * QUEUE_SHARE)))
+    return min(configured, max(floor, int(floor + (fits - floor) * share)))
 
 
 def left_after(ahead: float, workers: Sequence[WorkerInfo], seconds: float) -> float:
