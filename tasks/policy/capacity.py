@@ -25,8 +25,6 @@ def throughput(workers: Sequence[WorkerInfo]) -> float:
     return sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in workers if w.batch_ms_estimate > 0)
 
 
-
-
 def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int, share: float) -> int:
     """How many items may be in flight for a new request to still be answered within ``timeout_s``.
 
