@@ -25,6 +25,11 @@ def throughput(workers: Sequence[WorkerInfo]) -> float:
     return sum(w.max_batch / (w.batch_ms_estimate / 1000) for w in workers if w.batch_ms_estimate > 0)
 
 
+def slowest_batch_s(workers: Sequence[WorkerInfo]) -> float:
+    """The longest measured batch time of ``workers``, in seconds: how long a batch may run ahead of a new item."""
+    return max(w.batch_ms_estimate for w in workers) / 1000
+
+
 def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: int, share: float) -> int:
     """How many items may be in flight for a new request to still be answered within ``timeout_s``.
 
@@ -46,8 +51,7 @@ def deadline_cap(workers: Sequence[WorkerInfo], timeout_s: float, configured: in
         return configured
     floor = sum(w.max_batch for w in workers)
     # an item admitted now waits for those ahead, then for the batch running when its turn comes, then its own
-    batch_s = max(w.batch_ms_estimate for w in workers) / 1000
-    fits = rate * (timeout_s - 2 * batch_s)
+    fits = rate * (timeout_s - 2 * slowest_batch_s(workers))
     return min(configured, max(floor, int(floor + (fits - floor) * share)))
 
 
@@ -60,8 +64,7 @@ def left_after(ahead: float, workers: Sequence[WorkerInfo], seconds: float) -> f
     work 1.5 s before the last of them was due."""
     if not workers:
         return ahead
-    batch_s = max(w.batch_ms_estimate for w in workers) / 1000
-    return max(0.0, ahead - throughput(workers) * max(0.0, seconds - 2 * batch_s))
+    return max(0.0, ahead - throughput(workers) * max(0.0, seconds - 2 * slowest_batch_s(workers)))
 
 
 def recommended_workers(rate_per_s: float, workers: Sequence[WorkerInfo], headroom: float) -> int | None:
