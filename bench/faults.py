@@ -7,7 +7,7 @@
 Starts the system of ``bench/run.py`` (gunicorn, the batcher, sim workers, with its defaults: 1000 ms batches
 of up to 100, 4000 ms deadlines) on a Redis server of its own and, when ``rabbitmqctl`` can be used, on a
 RabbitMQ virtual host of its own, so that restarting Redis and cutting broker connections touch nobody else.
-Each fault runs under a steady open-loop load (tests/harness/loadgen.py) of ``--load-pct`` of the fleet's capacity;
+Each fault runs under a steady open-loop load (harness/loadgen.py) of ``--load-pct`` of the fleet's capacity;
 the default, 40%, is below what one worker alone can serve, so when a worker is lost every non-200 is a
 defect, not a lack of capacity. The fault lands after a third of the arrivals; the system is made whole again
 (processes restarted) before the next one. Heartbeats keep the product's defaults unless ``--heartbeat-s``
@@ -32,9 +32,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.harness.loadgen import LoadReport, SteadyLoad
-from tests.harness.services import PrivateRedis, Vhost
-from tests.harness.stack import Stack, alive, wait_for
+from harness.loadgen import LoadReport, SteadyLoad
+from harness.services import PrivateRedis, Vhost
+from harness.stack import Stack, alive, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -29,6 +29,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from harness.stats import percentile, rounded
+from tasks.schema import SamplingParams
+
 
 def measure(backend: Any, slots: int, rate: float, duration: float, seed: int = 1) -> dict[str, Any]:
     rng = random.Random(seed)
@@ -60,7 +63,7 @@ def measure(backend: Any, slots: int, rate: float, duration: float, seed: int = 
                     batch.append(arrivals.get_nowait())
                 except queue.Empty:
                     break
-            backend.run([b[1] for b in batch], [{"max_tokens": b[2], "temperature": 0} for b in batch])
+            backend.run([b[1] for b in batch], [SamplingParams(max_tokens=b[2], temperature=0) for b in batch])
             finished = time.monotonic()
             with lock:
                 latencies.extend((finished - b[0]) * 1000 for b in batch)
@@ -72,11 +75,8 @@ def measure(backend: Any, slots: int, rate: float, duration: float, seed: int = 
     for t in threads:
         t.join()
     wall = time.monotonic() - started
-    latencies.sort()
     return {"requests": len(latencies), "throughput_rps": round(len(latencies) / wall, 1),
-            "p50_ms": round(latencies[len(latencies) // 2], 1),
-            "p90_ms": round(latencies[int(len(latencies) * 0.9)], 1),
-            "p99_ms": round(latencies[int(len(latencies) * 0.99)], 1)}
+            **{f"p{q}_ms": rounded(percentile(latencies, q)) for q in (50, 90, 99)}}
 
 
 def _median(values: list[float]) -> float | None:
@@ -87,11 +87,11 @@ def burst(backend: Any, n: int = 80, short: int = 8, long: int = 200, *, sampled
     """``n`` streamed requests handed to ``backend`` as one batch (half ``short``, half ``long`` new tokens):
     per half, the median time of the first and the last streamed token and of the answer (``run()`` returning),
     and the tokens generated (a random model may say EOS early)."""
-    from gpu_worker.backends import Hooks
+    from gpu_worker.backends.interface import Hooks
 
     inputs = [f"the request {i} asks" for i in range(n)]
-    params = [{"max_tokens": short if i % 2 == 0 else long,
-               **({"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i} if sampled else {"temperature": 0})}
+    params = [SamplingParams(max_tokens=short if i % 2 == 0 else long, temperature=0.8, top_p=0.95, seed=1000 + i)
+              if sampled else SamplingParams(max_tokens=short if i % 2 == 0 else long, temperature=0)
               for i in range(n)]
     first: dict[int, float] = {}
     last: dict[int, float] = {}
@@ -110,7 +110,7 @@ def burst(backend: Any, n: int = 80, short: int = 8, long: int = 200, *, sampled
         rows = [i for i in range(n) if i % 2 == parity]
         report[name] = {
             "max_tokens": short if parity == 0 else long,
-            "mean_tokens": round(statistics.mean(outputs[i]["completion_tokens"] for i in rows), 1),
+            "mean_tokens": round(statistics.mean(outputs[i].completion_tokens for i in rows), 1),
             "first_token_p50_ms": _median([(first[i] - started) * 1000 for i in rows if i in first]),
             "last_token_p50_ms": _median([(last[i] - started) * 1000 for i in rows if i in last]),
             "answered_p50_ms": round(answered, 1)}
@@ -172,7 +172,7 @@ def main() -> None:
 
     path = args.model
     if path is None:
-        from tests.harness.models import build_tiny_llama
+        from harness.models import build_tiny_llama
 
         path = str(build_tiny_llama(Path(tempfile.mkdtemp()) / "tiny-llama"))
     if args.burst:

@@ -1,4 +1,4 @@
-"""Cables pulled under load, the system spread over hosts (network namespaces, tests/harness/netns/): outcome counts.
+"""Cables pulled under load, the system spread over hosts (network namespaces, harness/netns/): outcome counts.
 
     sudo .venv/bin/python -m bench.hosts                     # every scenario, ~2 minutes
     sudo .venv/bin/python -m bench.hosts --only gpu batcher  # some of them
@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.harness.loadgen import LoadReport
-from tests.harness.netns.hosts import Hosts, unavailable
-from tests.harness.netns.scenarios import api_cut, batcher_cut, fairness, gpu_cut, outcome_counts
+from harness.loadgen import LoadReport
+from harness.netns.hosts import Hosts, unavailable
+from harness.netns.scenarios import api_cut, batcher_cut, fairness, gpu_cut, outcome_counts
 
 SCENARIOS = ("gpu", "batcher", "api", "api-beside", "fairness")
 HOSTS = ("api", "api2", "batcher1", "batcher2", "gpu1", "gpu2")
@@ -64,7 +64,7 @@ def run(h: Hosts, scenario: str) -> list[dict[str, Any]]:
             rows.append(row("  callers of api2 meanwhile", a.other, 10_000))
         return rows
     if scenario == "fairness":
-        from tests.harness.stack import wait_for
+        from harness.stack import wait_for
 
         standby = next(b for b in h.batcher_hosts if b != h.active_batcher())
         h.signal(standby)

@@ -26,11 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.harness.stack import Stack, wait_for
+from harness.stack import Stack, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LOAD = [sys.executable, str(ROOT / "bench" / "load.py")]
+LOAD = [sys.executable, "-m", "bench.load"]  # run from ROOT (cwd=ROOT): it imports the harness
 
 
 def jsonl(n: int, tag: str, model: str = "sim") -> bytes:
@@ -46,7 +46,7 @@ def job_times(stack: Stack, batch_id: str) -> dict[str, Any]:
 def interactive(stack: Stack, name: str, rate: float, duration: float) -> dict[str, Any]:
     out = stack.tmp / f"{name}.json"
     subprocess.run([*LOAD, "--url", stack.url, "--rate", str(rate), "--duration", str(duration), "--timeout-ms",
-                    "10000", "--tenant", "web", "--seed", "7", "--out", str(out)], check=True,
+                    "10000", "--tenant", "web", "--seed", "7", "--out", str(out)], cwd=ROOT, check=True,
                    stdout=subprocess.DEVNULL, timeout=duration + 120)
     return json.loads(out.read_text())["summary"]
 

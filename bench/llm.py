@@ -6,7 +6,7 @@ throughput of the packaged MiniLM embedding model at batch 1 and 100.
     python -m bench.llm --json report.json
 
 **Generation.** One system (gunicorn, the batcher, one sim-lm worker at a time, started with
-``tests/harness/stack.py``'s ``Stack``, in a namespace of its own) serves the same open-loop Poisson sequence of
+``harness/stack.py``'s ``Stack``, in a namespace of its own) serves the same open-loop Poisson sequence of
 ``/v1/completions`` calls with ``LLMB_SIM_LM_MODE=continuous``, with ``static``, and (``--slots``, 0 to skip)
 continuous with ``LLMB_SIM_LM_SLOTS`` raised from 4 to 32: how many batches a worker runs at once. Every call
 streams (``stream=true``), so the client sees its first token (TTFT) and its last chunk (latency, to

@@ -1,6 +1,6 @@
 """Open-loop load generator: Poisson arrivals at a fixed rate for a bounded time, one process (gevent).
 
-    python bench/load.py --url http://127.0.0.1:8000 --rate 300 --duration 20 [--out requests.json] [--keep-alive]
+    python -m bench.load --url http://127.0.0.1:8000 --rate 300 --duration 20 [--out requests.json] [--keep-alive]
 
 Each request goes on a new connection, as a caller without a connection pool sends it; ``--keep-alive`` reuses
 connections as a pool does (the summary counts the connections opened).
@@ -29,10 +29,7 @@ from urllib.parse import urlparse  # noqa: E402
 import gevent  # noqa: E402
 from gevent.pool import Pool  # noqa: E402
 
-if __package__:  # python -m bench.load
-    from bench.stats import percentile
-else:  # python bench/load.py, as the benchmarks run it: the script's own folder is first on sys.path
-    from stats import percentile  # type: ignore[no-redef]
+from harness.stats import percentile  # noqa: E402
 
 
 def post(address: tuple[str, int], request: bytes, timeout_s: float,

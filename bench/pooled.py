@@ -7,7 +7,7 @@
 
 Each starts its own system (gunicorn with two processes, the batcher(s), one sim worker at 250 ms per batch:
 400 requests/s) with API keys on, on the local RabbitMQ and Redis, prints one JSON line per run and writes
-nothing else. Clients keep connections in a pool and never retry (``tests/harness/pooled.py``), so a connection the
+nothing else. Clients keep connections in a pool and never retry (``harness/pooled.py``), so a connection the
 server drops or closes under a request counts as an error here.
 """
 from __future__ import annotations
@@ -23,9 +23,9 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from tests.harness import pooled
-from tests.harness.services import Vhost
-from tests.harness.stack import Stack
+from harness import pooled
+from harness.services import Vhost
+from harness.stack import Stack
 
 
 def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> AbstractContextManager[Stack]:

@@ -41,8 +41,8 @@ from typing import Any
 from urllib.parse import urlparse
 
 from bench.run import machine
-from bench.stats import percentile, rounded
-from tests.harness.stack import Stack, running_stack, wait_for
+from harness.stack import Stack, running_stack, wait_for
+from harness.stats import percentile, rounded
 
 WORDS = ("policy", "travel", "expense", "hotel", "train", "flight", "receipt", "manager", "approve", "limit",
          "budget", "client", "meeting", "report", "claim", "invoice", "booking", "refund", "class", "meal")

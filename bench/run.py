@@ -25,13 +25,14 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
-from tests.harness.helpers import decoded
-from tests.harness.stack import Stack, free_port, wait_for
+from harness.helpers import decoded
+from harness.stack import Stack, free_port, wait_for
+from harness.stats import percentile
 
 ROOT = Path(__file__).resolve().parent.parent
 
 PYTHON = sys.executable
-LOAD = [PYTHON, str(ROOT / "bench" / "load.py")]
+LOAD = [PYTHON, "-m", "bench.load"]  # run from ROOT (cwd=ROOT): it imports the harness
 POISON = "__bench_poison__"
 
 
@@ -100,7 +101,7 @@ def load(url: str, rate: float, duration: float, timeout_ms: int, out: Path, **e
         elif value is not None and value is not False:
             argv += [flag, str(value)]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(argv, check=True, capture_output=True, timeout=duration + timeout_ms / 1000 + 120)
+    subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=duration + timeout_ms / 1000 + 120)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     result: dict[str, Any] = json.loads(out.read_text())
     summary = result["summary"]  # the generator's own CPU: taken from the same cores as the system's, not counted in it
@@ -168,8 +169,7 @@ class Bench:
             r = requests.post(url + "/v1/infer", json={"input": f"lone {i}", "timeout_ms": a.timeout_ms}, timeout=30)
             r.raise_for_status()
             times.append((time.monotonic() - started) * 1000)
-        times.sort()
-        p50 = times[len(times) // 2]
+        p50 = percentile(times, 50) or 0.0  # 0 for no requests asked for
         self.results[name] = {"name": name, "requests": len(times), "p50_ms": round(p50, 2),
                               "overhead_ms": round(p50 - a.batch_ms - a.max_wait_ms, 2)}
         print(f"  {name:<24} p50 {p50:.1f} ms; overhead {p50 - a.batch_ms - a.max_wait_ms:.1f} ms", flush=True)
@@ -198,7 +198,7 @@ class Bench:
         out = self.out / "fault.requests.json"
         argv = [*LOAD, "--url", stack.url, "--rate", str(self.capacity * 0.6), "--duration", str(a.duration),
                 "--timeout-ms", str(a.timeout_ms), "--out", str(out)]
-        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
         time.sleep(a.duration / 2)
         killed_at = a.duration / 2
         stack.kill("gpu0", sig=signal.SIGKILL)

@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from tests.harness.stack import Stack
+from harness.stack import Stack
 
 ROOT = Path(__file__).resolve().parent.parent
 
-LOAD = [sys.executable, str(ROOT / "bench" / "load.py")]
+LOAD = [sys.executable, "-m", "bench.load"]  # run from ROOT (cwd=ROOT): it imports the harness
 
 
 def start(out: Path, name: str, **env: object) -> Stack:
@@ -44,7 +44,7 @@ def load(stack: Stack, name: str, rate: float, duration: float, timeout_ms: int,
             str(timeout_ms), "--out", str(stack.tmp / f"{name}.json")]
     for key, value in extra.items():
         argv += [f"--{key.replace('_', '-')}", str(value)]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL)
+    return subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL)
 
 
 def result(stack: Stack, name: str, proc: subprocess.Popen[bytes]) -> dict[str, Any]:

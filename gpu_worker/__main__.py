@@ -48,7 +48,8 @@ def main(device: int, backend: str, model: str | None, host: str, queue: str | N
 def run_worker(device: int, backend: str, model: str | None, host: str, queue: str | None) -> None:
     from celery import signals
 
-    from gpu_worker.backends import NO_PREFIX_CACHE, load_backend
+    from gpu_worker.backends.interface import NO_ADAPTERS, NO_PREFIX_CACHE
+    from gpu_worker.backends.registry import load_backend
     from gpu_worker.cancellations import Cancellations
     from gpu_worker.device_lock import DeviceLock, DeviceTaken
     from gpu_worker.device_slots import HOST_THREADS
@@ -112,7 +113,8 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     runtime = WorkerRuntime(worker_id, queue, model_backend.name, model_backend.max_batch, fleet, state, settings,
                             model_backend.kind, model_backend.max_context, model_backend.slots,
                             getattr(model_backend, "kv_tokens", 0), getattr(model_backend, "kv_used", lambda: 0),
-                            getattr(model_backend, "prefix_cache", lambda: NO_PREFIX_CACHE))
+                            getattr(model_backend, "prefix_cache", lambda: NO_PREFIX_CACHE),
+                            getattr(model_backend, "adapters", lambda: NO_ADAPTERS))
     app.conf["llmb_worker"] = runtime
     app.steps["worker"].add(HeartbeatStep)
 

@@ -15,7 +15,7 @@ from celery import Celery, bootsteps
 from celery.worker import state as celery_state
 from kombu import Connection, Queue
 
-from gpu_worker.backends import NO_PREFIX_CACHE, PrefixCache
+from gpu_worker.backends.interface import NO_ADAPTERS, NO_PREFIX_CACHE, AdapterState, PrefixCache
 from gpu_worker.worker_state import WorkerState
 from tasks.broker.queues import RETRY_POLICY, fleet_exchange
 from tasks.config import Settings
@@ -45,8 +45,10 @@ class WorkerRuntime:
     def __init__(self, worker_id: str, queue: str, model: str, max_batch: int, fleet: Fleet,
                  state: WorkerState, settings: Settings, kind: str = "sim", max_context: int = 0,
                  slots: int = 1, kv_tokens: int = 0, kv_used: Callable[[], int] = lambda: 0,
-                 prefix_cache: Callable[[], PrefixCache] = lambda: NO_PREFIX_CACHE) -> None:
+                 prefix_cache: Callable[[], PrefixCache] = lambda: NO_PREFIX_CACHE,
+                 adapters: Callable[[], AdapterState] = lambda: NO_ADAPTERS) -> None:
         self.kind = kind
+        self.adapters = adapters  # the backend's LoRA adapters (none where it serves none)
         self.prefix_cache = prefix_cache  # the backend's prefix-cache figures (none where it keeps no cache)
         self.slots = slots
         self.kv_tokens = kv_tokens
@@ -73,24 +75,31 @@ class WorkerRuntime:
         self._wake.set()
 
     def leave(self) -> None:
-        """Stop beating and leave the fleet view (everything this worker held has been handed back)."""
+        """Stop beating and leave the fleet view (everything this worker held has been handed back). A graceful
+        stop is most often a restart (a rollout): the worker is awaited back for ``LLMB_RESTART_HOLD_S``, during
+        which API processes keep admitting its model's calls if it was the model's only worker
+        (:meth:`tasks.state.fleet.Fleet.depart`)."""
         with self._beating:
             self._stop.set()
         self._wake.set()
         try:
-            self.fleet.leave(self.worker_id)
+            self.fleet.depart(self.info(), self.settings.worker.restart_hold_s)
         except Exception as exc:  # Redis may be gone; the entry goes stale on its own
             log.warning("could not remove heartbeat: %s", exc)
 
     def _loop(self) -> None:
         interval = self.settings.worker.heartbeat_interval_s
+        awaited = True  # a replacement is awaited until its first beat is in (then the hold is cleared)
         while True:
             try:
                 with self._beating:
                     if self._stop.is_set():
                         return
                     self.fleet.beat(self.info())
-            except Exception as exc:  # keep beating: Redis may come back
+                if awaited:
+                    self.fleet.back(self.worker_id)
+                    awaited = False
+            except Exception as exc:  # keep beating: Redis may come back (the hold lapses on its own)
                 log.warning("heartbeat failed: %s", exc)
             self._wake.wait(interval)
             self._wake.clear()
@@ -100,6 +109,7 @@ class WorkerRuntime:
         tokens_per_s, utilisation = self.state.rates(now)
         started = self.state.batch_started_at
         cache = self.prefix_cache()
+        adapters = self.adapters()
         return WorkerInfo(
             id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
             state=DRAINING if self.draining else "busy" if started is not None else "idle",
@@ -110,6 +120,8 @@ class WorkerRuntime:
             tokens_per_s=round(tokens_per_s, 1), utilisation=round(utilisation, 3), slots=self.slots,
             kv_tokens=self.kv_tokens, kv_used=self.kv_used(), prefix_caching=cache.caching,
             prefix_queries=cache.queries, prefix_hits=cache.hits, cached_blocks=cache.blocks, prefixes=cache.keys,
+            max_adapters=adapters.max_adapters, adapters=adapters.resident, adapters_loading=adapters.loading,
+            adapter_loads=adapters.loads, adapter_evictions=adapters.evictions,
         )
 
 

@@ -21,12 +21,12 @@ from typing import Any, TypeVar
 import redis
 from celery.exceptions import Reject
 
-from gpu_worker.backends import Backend, Hooks, ItemError
+from gpu_worker.backends.interface import Backend, Hooks, ItemError, Output
 from gpu_worker.device_slots import Device, Held
 from gpu_worker.worker_state import WorkerState
 from tasks import tracing
-from tasks.schema import Batch, BatchEvent, BatchItem, Failure, ItemResult
-from tasks.state.claims import Claims, Verdict
+from tasks.schema import Batch, BatchEvent, BatchItem, EmbeddingOutput, Failure, GenerationOutput, ItemResult
+from tasks.state.claims import Claims, ClaimVerdict
 from tasks.state.results import ResultWriter
 from tasks.store.ledger import BatchOutcome, ItemsOutcome, LedgerEvent
 
@@ -114,11 +114,11 @@ class BatchRunner:
         claim = self._until_settled(batch, lambda: self.claims.for_run(batch.id, self.run_id))
         if claim is None:
             return {**summary, "dropped_expired": len(batch.items)}
-        if claim.verdict is Verdict.SKIP or (claim.verdict is Verdict.MINE and batch.id in self._running):
+        if claim.verdict is ClaimVerdict.SKIP or (claim.verdict is ClaimVerdict.MINE and batch.id in self._running):
             log.info("batch %s was reassigned, is running here or is done; skipping it", batch.id,
                      extra={"batch_id": batch.id})
             return {**summary, "skipped": True}
-        if claim.verdict is Verdict.DIED:
+        if claim.verdict is ClaimVerdict.DIED:
             log.warning("batch %s: its previous worker (%s) died running it; handing it back for isolation",
                         batch.id, claim.owner, extra={"batch_id": batch.id})
             self._hand_back(batch, Failure.DIED, f"the worker running this batch ({claim.worker}) died",
@@ -179,14 +179,12 @@ class BatchRunner:
         common: dict[str, Any] = dict(batch_id=batch.id, batch_size=len(live), worker=self.worker_id,
                                       started_at=started_at, run_ms=round(run_ms, 3))
         results = [ItemResult(error=o.type, message=o.message, **common) if isinstance(o, ItemError)
-                   else ItemResult(output=o, **common) for o in outputs]
+                   else ItemResult(output=_wire(o), **common) for o in outputs]
+        generated = [(item, o) for item, o in zip(live, outputs) if isinstance(o, GenerationOutput)]
         by_tenant: dict[str, int] = {}  # what fairness charges each tenant, corrected from its estimate
-        for item, o in zip(live, outputs):
-            if isinstance(o, dict) and "completion_tokens" in o:
-                used = int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
-                by_tenant[item.tenant] = by_tenant.get(item.tenant, 0) + used
-        tokens = sum(int(o.get("prompt_tokens", 0)) + int(o.get("completion_tokens", 0))
-                     for o in outputs if isinstance(o, dict))
+        for item, o in generated:
+            by_tenant[item.tenant] = by_tenant.get(item.tenant, 0) + o.tokens
+        tokens = sum(o.tokens for o in outputs if isinstance(o, (GenerationOutput, EmbeddingOutput)))
         self.state.add_work(run_ms / 1000, tokens, self.state.clock())
         def write() -> bool:
             self.writer.write([(i, r) for p, (i, r) in enumerate(zip(live, results)) if p not in early],
@@ -201,8 +199,7 @@ class BatchRunner:
         if rejected:  # recorded first: the batch's "ok" below does not override a final status
             self.record(ItemsOutcome(batch.model, rejected, "rejected", "the model could not take this input",
                                      batch.id))
-        counted = {item.id: (int(o.get("prompt_tokens", 0)), int(o["completion_tokens"]))
-                   for item, o in zip(live, outputs) if isinstance(o, dict) and "completion_tokens" in o}
+        counted = {item.id: (o.prompt_tokens, o.completion_tokens) for item, o in generated}
         self.record(BatchOutcome(batch.with_items(live), "ok", "ok", self.worker_id, None, started_at,
                                  self.state.clock(), round(run_ms, 3), counted or None))
         log.info("batch %s size=%d run_ms=%.1f dropped=%d", batch.id, len(live), run_ms, len(expired),
@@ -225,13 +222,13 @@ class BatchRunner:
             except redis.RedisError as exc:  # the final result still carries the whole text
                 log.warning("could not stream text: %s", exc)
 
-        def done(p: int, output: Any) -> None:
+        def done(p: int, output: Output) -> None:
             """A row finished while others of its batch run on: answer its caller now, not when the longest row
             ends. Best effort: if Redis refuses, the batch's final write answers it. A rerun of the batch (a
             fault later) skips it: it has an answer."""
             if isinstance(output, ItemError) or p in early:
                 return
-            result = ItemResult(output=output, batch_id=batch_id, batch_size=len(live), worker=self.worker_id,
+            result = ItemResult(output=_wire(output), batch_id=batch_id, batch_size=len(live), worker=self.worker_id,
                                 started_at=started_at, run_ms=round((time.monotonic() - t0) * 1000, 3))
             try:
                 self.writer.write([(live[p], result)])
@@ -239,7 +236,7 @@ class BatchRunner:
             except redis.RedisError as exc:
                 log.warning("could not answer item %s early: %s", live[p].id, exc)
 
-        return Hooks(streaming={p for p, i in enumerate(live) if i.params.get("stream")}, stream=stream,
+        return Hooks(streaming={p for p, i in enumerate(live) if i.params.stream}, stream=stream,
                      cancelled=lambda p: live[p].id in self.cancelled, done=done)
 
     def _hand_back(self, batch: Batch, failure: Failure, error: str, blame: str = "") -> None:
@@ -279,3 +276,8 @@ class BatchRunner:
                             extra={"batch_id": batch.id})
                 time.sleep(pause)
         raise AssertionError("unreachable")
+
+
+def _wire(output: Output) -> object:
+    """An output as its result carries it: the JSON object a typed output was before it had a type."""
+    return output.to_dict() if isinstance(output, (GenerationOutput, EmbeddingOutput)) else output

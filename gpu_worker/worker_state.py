@@ -9,7 +9,8 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from gpu_worker.backends import Backend
+from gpu_worker.backends.interface import Backend
+from tasks.schema import SamplingParams
 
 log = logging.getLogger("llmb.worker")
 
@@ -86,7 +87,7 @@ def measure_full_batch(backend: Backend, state: WorkerState) -> None:
     inputs = ["warm-up"] * backend.max_batch
     started = time.perf_counter()
     try:
-        backend.run(inputs, [{"max_tokens": 2, "temperature": 0} for _ in inputs])
+        backend.run(inputs, [SamplingParams(max_tokens=2, temperature=0)] * len(inputs))
     except Exception:
         log.exception("the full-batch warm-up failed; admission will size from the first real batch")
         return

@@ -8,9 +8,40 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields, replace
 from enum import StrEnum
 from typing import Any
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed takes
+MAX_CHOICES = 16  # most choices (n) one call may ask for
+
+# The format of the messages between processes (a request the web app publishes, a batch a batcher sends, an
+# item's result): its ``v``. A message without one is format 1 (the versions before this field). Readers accept
+# the previous format and the next one, so that during a rolling upgrade (or its rollback) old and new processes
+# read each other: fields they do not know are ignored, fields a message lacks take their defaults.
+FORMAT_VERSION = 2
+FORMATS_READ = range(1, FORMAT_VERSION + 2)  # 1 to the next format
+
+
+def format_of(d: dict[str, Any]) -> int:
+    """The format version of a decoded message; ValueError for one this version cannot read."""
+    v = d.get("v", 1)
+    if isinstance(v, bool) or not isinstance(v, int) or v not in FORMATS_READ:
+        raise ValueError(f"message format {v!r} is not one this version reads ({FORMATS_READ.start} to "
+                         f"{FORMATS_READ.stop - 1})")
+    return v
+
+
+def known_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` less the keys ``cls`` (a dataclass) has no field for: a newer version's additions, and ``v``."""
+    names = _FIELD_NAMES.get(cls)
+    if names is None:
+        names = _FIELD_NAMES[cls] = frozenset(f.name for f in fields(cls))
+    return {k: v for k, v in d.items() if k in names}
+
+
+_FIELD_NAMES: dict[type, frozenset[str]] = {}
 
 
 def json_integer(value: object) -> int | None:
@@ -37,6 +68,149 @@ def input_hash(model: str, text: str) -> str:
     return hashlib.sha256(f"{model}\0{text}".encode()).hexdigest()[:32]
 
 
+def _range(low: float, high: float) -> dict[str, float]:
+    """A field's accepted values, read by the parser (webapp.openai_schema) and the API document (webapp.openapi)."""
+    return {"minimum": low, "maximum": high}
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """What a call asks of the model, validated once where its request was parsed (:mod:`webapp.openai_schema`)
+    and read by attribute from there to the backend. A call that generates nothing (embeddings, /v1/infer) has
+    no ``max_tokens``.
+
+    Its wire form (:meth:`to_dict`) is the JSON object of the versions before this class: the same keys, each
+    present when it was then, so processes of either version read each other's messages during a rolling
+    upgrade; keys a newer version added are kept in ``unknown`` and passed on as they came."""
+
+    max_tokens: int | None = None  # output tokens it may generate (None: not a generation call)
+    temperature: float = field(default=1.0, metadata=_range(0, 2))  # 0: greedy
+    top_p: float = field(default=1.0, metadata=_range(0, 1))
+    stop: tuple[str, ...] = ()  # the text is cut at the first of these
+    seed: int | None = field(default=None, metadata=_range(SEED_MIN, SEED_MAX))  # None: fresh randomness
+    logprobs: int | None = None  # how many likeliest tokens to give at each position (None: no logprobs)
+    echo: bool = False  # the prompt's tokens and their logprobs too (scoring a given text, max_tokens 0)
+    n: int = field(default=1, metadata=_range(1, MAX_CHOICES))  # choices of each prompt (items of the call)
+    chat: bool = False  # the input is a JSON list of messages, for the model's chat template
+    stream: bool = False  # its text is streamed as it comes
+    # what constrains and shapes the answer (issue 42): a grammar in llguidance's Lark syntax, built by the web
+    # layer from response_format or tools (tasks.policy.tool_calls for the tool-call text format); the tools, for
+    # the model's chat template; penalties and biases applied to each step's logits, as OpenAI defines them
+    grammar: str | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    presence_penalty: float = field(default=0.0, metadata=_range(-2, 2))
+    frequency_penalty: float = field(default=0.0, metadata=_range(-2, 2))
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias from -100 to 100)
+    prompt_cache_key: str | None = None  # a routing hint: the same key's prompt starts go to the same worker
+    # a LoRA adapter of the call's model (issue 44): its name as the caller named it in ``model`` (the call's model
+    # is then the adapter's base), and its PEFT directory (adapter_config.json + weights) as the workers see it;
+    # None: the base model alone
+    adapter: str | None = None
+    adapter_path: str | None = None
+    adapter_pinned: bool = False  # an operator pinned it: once loaded, a worker never evicts it
+    unknown: dict[str, Any] = field(default_factory=dict, repr=False)  # keys of a newer version, kept as they came
+
+    def to_dict(self) -> dict[str, Any]:
+        """The wire form: a generation call's first five fields always (every version wrote them), every other
+        field only when it is not its default."""
+        if self is NO_PARAMS:  # a call that generates nothing (the common case of /v1/infer): nothing to look at
+            return {}
+        generation = self.max_tokens is not None
+        out: dict[str, Any] = {}
+        for name, default in _WIRE:
+            value = getattr(self, name)
+            if value != default or (generation and name in _ALWAYS):
+                out[name] = list(value) if isinstance(value, tuple) else value
+        return {**out, **self.unknown} if self.unknown else out
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> SamplingParams:
+        """Decode the wire form (a null or missing value: the field's default); raises ValueError or TypeError on
+        a value of the wrong type."""
+        if not isinstance(d, dict):
+            raise TypeError(f"params must be an object, not {type(d).__name__}")
+        if not d:
+            return NO_PARAMS
+        known: dict[str, Any] = {}
+        unknown: dict[str, Any] = {}
+        for key, value in d.items():
+            decode = _DECODERS.get(key)
+            if decode is None:
+                unknown[key] = value
+            elif value is not None:
+                known[key] = decode(value)
+        return cls(**known, unknown=unknown) if unknown else cls(**known)
+
+
+NO_PARAMS = SamplingParams()
+_ALWAYS = frozenset({"max_tokens", "temperature", "top_p", "stop", "seed"})  # in every generation call's params
+_WIRE = tuple((f.name, getattr(NO_PARAMS, f.name)) for f in fields(SamplingParams) if f.name != "unknown")
+# a field's wire value decoded by its type, so that a new field of one of these types needs no code here
+_BY_TYPE: dict[str, Callable[[Any], Any]] = {
+    "int | None": int, "int": int, "float": float, "bool": bool,
+    "tuple[str, ...]": lambda v: (v,) if isinstance(v, str) else tuple(str(s) for s in v),
+    "str | None": str,
+    "tuple[dict[str, Any], ...]": lambda v: tuple(dict(t) for t in v),
+    "tuple[tuple[int, float], ...]": lambda v: tuple((int(t), float(b)) for t, b in v)}
+_DECODERS = {f.name: _BY_TYPE[str(f.type)] for f in fields(SamplingParams) if f.name != "unknown"}
+
+
+def bounds(name: str) -> dict[str, float]:
+    """The accepted range of a field of :class:`SamplingParams` (``minimum``, ``maximum``)."""
+    return dict(next(f.metadata for f in fields(SamplingParams) if f.name == name))
+
+
+# one token's log-probability: its text, its logprob (None for a text's first token, which nothing predicts) and
+# the likeliest tokens at its position as [text, logprob] pairs, likeliest first
+Entry = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class GenerationOutput:
+    """What a generating backend returns for one item; its worker writes :meth:`to_dict` to the item's result."""
+
+    text: str
+    finish_reason: str  # "stop", "length" or "cancelled"
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: list[Entry] | None = None  # one per completion token, when asked for
+    prompt: str | None = None  # with echo: the prompt as the model read it
+    prompt_logprobs: list[Entry] | None = None  # with echo: one per prompt token
+    token_ids: tuple[int, ...] | None = field(default=None, compare=False, repr=False)  # kept to score; not sent
+    cached_tokens: int = 0  # of the prompt's tokens, those the prefix cache held (usage's cached_tokens)
+
+    @property
+    def tokens(self) -> int:
+        """What the item took of the device: its prompt and completion tokens."""
+        return self.prompt_tokens + self.completion_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"text": self.text, "finish_reason": self.finish_reason,
+                               "prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.prompt is not None:
+            out["prompt"], out["prompt_logprobs"] = self.prompt, self.prompt_logprobs or []
+        if self.cached_tokens:
+            out["cached_tokens"] = self.cached_tokens
+        return out
+
+
+@dataclass(frozen=True)
+class EmbeddingOutput:
+    """What an embedding backend returns for one item."""
+
+    embedding: list[float]
+    prompt_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"embedding": self.embedding, "prompt_tokens": self.prompt_tokens}
+
+
 @dataclass(frozen=True)
 class Item:
     """One input to run; ``id`` is server-generated and unique, so outputs can never cross callers."""
@@ -56,33 +230,36 @@ class InferenceRequest:
     accepted_at: float
     deadline: float
     reply_to: str  # Redis channel of the API process holding the connection
-    params: dict[str, Any] = field(default_factory=dict)  # model parameters (max_tokens, temperature, ...)
+    params: SamplingParams = NO_PARAMS
     weight: float = 1.0  # the tenant's share when tenants compete for batch slots
     priority: Priority = Priority.INTERACTIVE
     trace: str | None = None  # the W3C traceparent of its call's span (tracing on: tasks.tracing)
 
     def to_dict(self) -> dict[str, Any]:
         # by hand rather than dataclasses.asdict, whose deep copies cost more than the rest of the encoding
-        out = {**vars(self), "items": [{**vars(i)} for i in self.items], "params": {**self.params}}
+        out = {"v": FORMAT_VERSION, **vars(self), "items": [{**vars(i)} for i in self.items],
+               "params": self.params.to_dict()}
         if self.trace is None:  # as versions before tracing wrote it: they read it during a rolling upgrade
             del out["trace"]
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> InferenceRequest:
-        """Decode a request message; raises ValueError on anything malformed."""
+        """Decode a request message (formats :data:`FORMATS_READ`; unknown keys ignored); raises ValueError on
+        anything malformed."""
         try:
+            format_of(d)
             items = tuple(Item(id=str(i["id"]), input=str(i["input"])) for i in d["items"])
             if not items:
                 raise ValueError("request has no items")
             return cls(
                 id=str(d["id"]), tenant=str(d["tenant"]), model=str(d["model"]), items=items,
                 accepted_at=float(d["accepted_at"]), deadline=float(d["deadline"]), reply_to=str(d["reply_to"]),
-                params=dict(d.get("params") or {}), weight=float(d.get("weight", 1.0)),
+                params=SamplingParams.from_dict(d.get("params") or {}), weight=float(d.get("weight", 1.0)),
                 priority=Priority(d.get("priority", Priority.INTERACTIVE)),
                 trace=d.get("trace") if isinstance(d.get("trace"), str) else None,
             )
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"malformed request message: {exc!r}") from None
 
 
@@ -98,7 +275,7 @@ class BatchItem:
     reply_to: str
     tenant: str = "default"
     retries: int = 0  # times re-dispatched because its worker was lost before running it
-    params: dict[str, Any] = field(default_factory=dict)
+    params: SamplingParams = NO_PARAMS
     died_on: tuple[str, ...] = ()  # workers that died (or vanished) while running a batch holding this item
     priority: Priority = Priority.INTERACTIVE  # its call's class, kept so the ledger (and a replay) knows it
     trace: str | None = None  # its call's traceparent (tracing on)
@@ -127,16 +304,20 @@ class Batch:
 
     def to_dict(self) -> dict[str, Any]:
         # by hand, as InferenceRequest's; without tracing, as versions before it wrote it (a rolling upgrade)
-        out = {**vars(self), "items": [_item_dict(i) for i in self.items]}
+        out = {"v": FORMAT_VERSION, **vars(self), "items": [_item_dict(i) for i in self.items]}
         if self.trace is None:
             del out["trace"]
         return out
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Batch:
+        """Decode a batch (formats :data:`FORMATS_READ`: keys of a newer version ignored, in the batch and in its
+        items); ValueError for a format it cannot read, KeyError or TypeError for a malformed one."""
+        format_of(d)
         return cls(
             id=str(d["id"]), model=str(d["model"]), created_at=float(d["created_at"]),
-            items=tuple(BatchItem(**{**i, "died_on": tuple(i.get("died_on") or ()),
+            items=tuple(BatchItem(**{**known_fields(BatchItem, i), "died_on": tuple(i.get("died_on") or ()),
+                                     "params": SamplingParams.from_dict(i.get("params") or {}),
                                      "priority": Priority(i.get("priority", Priority.INTERACTIVE))})
                         for i in d["items"]),
             parent_id=d.get("parent_id"), attempt=int(d.get("attempt", 0)), trace=d.get("trace"),
@@ -151,7 +332,7 @@ class Batch:
 
 
 def _item_dict(item: BatchItem) -> dict[str, Any]:
-    out = {**vars(item), "params": {**item.params}}
+    out = {**vars(item), "params": item.params.to_dict()}
     if item.trace is None:
         del out["trace"]
     return out
@@ -171,11 +352,15 @@ class ItemResult:
     run_ms: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """The result record. Without ``v`` in this format (2): format 1's readers took every key as a field and
+        would fail on it, so it is written from format 3 on, once every reader is of this version or later."""
         return {k: v for k, v in vars(self).items() if v is not None}  # no deep copy of the output: it is encoded
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> ItemResult:
-        return cls(**d)
+        """Decode a result record (formats :data:`FORMATS_READ`; keys of a newer version ignored)."""
+        format_of(d)
+        return cls(**known_fields(cls, d))
 
 
 DRAINING = "draining"
@@ -209,6 +394,13 @@ class WorkerInfo:
     prefix_hits: int = 0
     cached_blocks: int = 0
     prefixes: tuple[str, ...] = ()  # the prefix keys it holds (tasks.policy.prefixes)
+    # LoRA adapters (issue 44; tasks.policy.adapter_residency): how many it may hold (0: it serves none), those
+    # resident now (most recently used first) and those loading, and its loads and evictions since it started
+    max_adapters: int = 0
+    adapters: tuple[str, ...] = ()
+    adapters_loading: tuple[str, ...] = ()
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -217,8 +409,11 @@ class WorkerInfo:
     def from_json(cls, raw: str | bytes) -> WorkerInfo:
         """A heartbeat; fields a newer worker added are left out, so a batcher reads it during a rolling upgrade."""
         known = {f.name for f in fields(cls)}
-        info = cls(**{k: v for k, v in json.loads(raw).items() if k in known})
-        return replace(info, prefixes=tuple(info.prefixes)) if info.prefixes else info
+        d = {k: v for k, v in json.loads(raw).items() if k in known}
+        for name in ("prefixes", "adapters", "adapters_loading"):  # JSON lists, kept as tuples
+            if name in d:
+                d[name] = tuple(d[name])
+        return cls(**d)
 
 
 @dataclass(frozen=True)

@@ -18,15 +18,17 @@ The call's context travels in the request message and each batch item (``trace``
 message. Configuration is the SDK's standard variables: ``OTEL_TRACES_EXPORTER`` (``otlp``, ``console``,
 ``none``: the default), ``OTEL_EXPORTER_OTLP_ENDPOINT`` / ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`` (OTLP over
 HTTP), ``OTEL_TRACES_SAMPLER`` and its argument (``parentbased_always_on`` by default: a caller's sampled flag
-is honoured), ``OTEL_SERVICE_NAME`` (by default ``llmb-api``, ``llmb-batcher``, ``llmb-worker``),
-``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``. Off, every function here returns at its first line: nothing is
-imported from the SDK and nothing is allocated per call.
+is honoured, as far as :class:`CallerFlags` allows), ``OTEL_SERVICE_NAME`` (by default ``llmb-api``,
+``llmb-batcher``, ``llmb-worker``), ``OTEL_RESOURCE_ATTRIBUTES``, ``OTEL_BSP_*``. Off, every function here
+returns at its first line: nothing is imported from the SDK and nothing is allocated per call.
 """
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+import random
+import threading
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -36,15 +38,51 @@ from opentelemetry.sdk.trace.sampling import Decision, Sampler, SamplingResult
 from opentelemetry.trace import Link, Span, SpanContext, SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
+from tasks.config import Settings
 from tasks.schema import Batch, BatchItem
 
 log = logging.getLogger(__name__)
 _PROPAGATOR = TraceContextTextMapPropagator()
 _tracer: Tracer | None = None
+AUTHENTICATED = "llmb.authenticated"  # an ``llmb.call`` span's attribute: its caller showed a live key
 
 
-def setup(service: str) -> None:
-    """Start tracing in this process if ``OTEL_TRACES_EXPORTER`` asks for it (call once, after any fork)."""
+class CallerFlags:
+    """Whose sampled flag (a ``traceparent`` ending ``-01``) this process honours: an authenticated tenant's always
+    (unless ``trust_tenants`` is off), anyone else's at most ``per_s`` a second (a token bucket holding one
+    second's worth, at least one). Any caller can send the flag, so without this an anonymous flood forces every
+    one of its calls into the export queue, crowding out every other tenant's spans."""
+
+    def __init__(self, per_s: float, clock: Callable[[], float], *, trust_tenants: bool = True) -> None:
+        self.per_s = max(0.0, per_s)
+        self.burst = max(1.0, self.per_s)
+        self.trust_tenants = trust_tenants
+        self._clock = clock
+        self._tokens = self.burst if self.per_s > 0 else 0.0
+        self._at = clock()
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_settings(cls, settings: Settings, clock: Callable[[], float]) -> CallerFlags:
+        return cls(settings.web.trace_parent_max_per_s, clock, trust_tenants=settings.web.trace_parent_tenants)
+
+    def honoured(self, authenticated: bool) -> bool:
+        """Whether this call's sampled flag counts (a refused one costs nothing: it takes no token)."""
+        if authenticated and self.trust_tenants:
+            return True
+        with self._lock:
+            now = self._clock()
+            self._tokens = min(self.burst, self._tokens + max(0.0, now - self._at) * self.per_s)
+            self._at = now
+            if self._tokens < 1.0:
+                return False
+            self._tokens -= 1.0
+            return True
+
+
+def setup(service: str, callers: CallerFlags | None = None) -> None:
+    """Start tracing in this process if ``OTEL_TRACES_EXPORTER`` asks for it (call once, after any fork);
+    ``callers``: how far the server spans' callers' sampled flags are honoured (the API process's)."""
     global _tracer
     if _tracer is not None:
         return
@@ -56,7 +94,7 @@ def setup(service: str) -> None:
     from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter, SpanExporter
 
     provider = TracerProvider(resource=Resource.create({SERVICE_NAME: os.environ.get("OTEL_SERVICE_NAME", service)}),
-                              sampler=_BatchesOfSampledCalls(_env_sampler()))
+                              sampler=sampler(_env_sampler(), callers))
     for name in names:
         exporter: SpanExporter
         if name == "otlp":
@@ -77,6 +115,35 @@ def _env_sampler() -> Sampler:
     from opentelemetry.sdk.trace import sampling
 
     return sampling._get_from_env_or_default()
+
+
+def sampler(configured: Sampler, callers: CallerFlags | None) -> Sampler:
+    """The process's sampler: the configured one, its callers' flags capped, batches of sampled calls sampled."""
+    return _BatchesOfSampledCalls(configured if callers is None else _CallersFlagsCapped(configured, callers))
+
+
+class _CallersFlagsCapped(Sampler):
+    """The configured sampler, but a server span whose caller's sampled flag :class:`CallerFlags` refuses is
+    decided as a call without a traceparent is, on a random trace id (not the caller's: a ratio sampler reads the
+    trace id, which the caller chose)."""
+
+    def __init__(self, inner: Sampler, callers: CallerFlags) -> None:
+        self.inner = inner
+        self.callers = callers
+
+    def should_sample(self, parent_context: Context | None, trace_id: int, name: str, kind: SpanKind | None = None,
+                      attributes: Any = None, links: Sequence[Link] | None = None,
+                      trace_state: Any = None) -> SamplingResult:
+        if kind == SpanKind.SERVER and parent_context is not None:
+            parent = trace.get_current_span(parent_context).get_span_context()
+            if parent.is_valid and parent.is_remote and parent.trace_flags.sampled and not self.callers.honoured(
+                    bool((attributes or {}).get(AUTHENTICATED))):
+                return self.inner.should_sample(None, random.getrandbits(128), name, kind, attributes, links,
+                                                trace_state)
+        return self.inner.should_sample(parent_context, trace_id, name, kind, attributes, links, trace_state)
+
+    def get_description(self) -> str:
+        return f"CallersFlagsCapped({self.inner.get_description()})"
 
 
 class _BatchesOfSampledCalls(Sampler):

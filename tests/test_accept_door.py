@@ -8,8 +8,6 @@ import json
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -19,12 +17,12 @@ from tasks.policy.room import Placed
 from tasks.policy.shedding import Door
 from tasks.schema import Priority
 from tasks.store.directory import TenantDirectory
-from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
-from webapp import accept_door, worker
-from webapp.accept_door import AcceptDoor, Lines
+from webapp import accept_door
+from webapp.accept_door import AcceptDoor, QueueShedding
 from webapp.app import is_inference
-from webapp.worker import AtDoor
+from webapp.peek import Peeked
+from webapp.worker import Arrivals, AtDoor
 
 
 class Gate:
@@ -41,12 +39,11 @@ class Gate:
 
 
 @pytest.fixture
-def behind() -> Iterator[None]:
+def behind() -> Arrivals:
     """A connection accepted half a second ago is still waiting for this process to get to it."""
-    token = object()
-    worker._unstarted[token] = time.monotonic() - 0.5
-    yield
-    worker._unstarted.pop(token, None)
+    arrivals = Arrivals()
+    arrivals.unstarted[object()] = time.monotonic() - 0.5
+    return arrivals
 
 
 def request(body: dict[str, object], *, tenant: str | None = None, cut: int = 0, path: str = "/v1/infer",
@@ -75,9 +72,9 @@ def answer(client: socket.socket) -> tuple[str, dict[str, str], dict[str, object
     return status, dict(line.split(": ", 1) for line in lines), json.loads(body)
 
 
-def test_a_request_is_refused_at_accept_with_the_doors_json_429_while_the_process_is_behind(behind: None) -> None:
+def test_a_request_is_refused_at_accept_with_the_doors_json_429_while_the_process_is_behind(behind: Arrivals) -> None:
     gate = Gate()
-    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog, gate=gate)
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=behind.backlog, gate=gate)
     accept = AcceptDoor(door, is_inference)
     client, server = connection(request({"input": "hello"}))
     assert not accept(server)  # half a second behind, and no wait at the gate: it can still be served in time
@@ -92,10 +89,10 @@ def test_a_request_is_refused_at_accept_with_the_doors_json_429_while_the_proces
     assert isinstance(error, dict) and error["type"] == "overloaded" and error["request_id"] == "caller-7"
 
 
-def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_way(behind: None) -> None:
+def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_way(behind: Arrivals) -> None:
     gate = Gate()
     gate.wait_s = 5.0
-    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog, gate=gate)
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=behind.backlog, gate=gate)
     accept = AcceptDoor(door, is_inference)
     _, partial = connection(request({"input": "hello"}, cut=3))  # the body not all there yet
     assert not accept(partial)
@@ -110,18 +107,19 @@ def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_
 
 
 class Verdicts:
-    """Stands in for the gateway's held FULL verdicts, (model, class) -> the refusal it holds, and for its view of
-    each line: ``room`` calls of a model and class are let in, the next refused."""
+    """Stands in for the process's view of each model's admission queue (AdmissionQueue): its held FULL verdicts,
+    (model, class) -> the refusal it holds, and each queue: ``room`` calls of a model and class are let in, the
+    next refused."""
 
     def __init__(self) -> None:
         self.held: dict[tuple[str, Priority], QueueFull] = {}
         self.room: dict[tuple[str, Priority], int] = {}
         self.placed: list[tuple[str, Priority, float, float]] = []
         self.late: QueueFull | None = None  # what the gateway says of a call whose turn would come too late
-        self.forming = True  # calls let in on arrival wait for admission
+        self.waiting = True  # calls let in on arrival wait for admission
 
-    def line_forming(self) -> bool:
-        return self.forming
+    def forming(self) -> bool:
+        return self.waiting
 
     def place(self, model: str, priority: Priority, timeout_s: float,
               waited_s: float = 0.0) -> QueueFull | Placed:
@@ -144,17 +142,9 @@ class Verdicts:
         return self.held.get((model, priority))
 
 
-@pytest.fixture
-def tenants(tmp_path: Path) -> tuple[KeyStore, TenantDirectory]:
-    url = f"sqlite:///{tmp_path / 'keys.db'}"
-    Base.metadata.create_all(make_engine(url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
-    store = KeyStore(make_engine(url))
-    return store, TenantDirectory(store, ttl_s=60.0)
-
-
 def held_door(verdicts: Verdicts, directory: TenantDirectory, auth: str = "none") -> AcceptDoor:
-    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog)
-    held = Lines(verdicts, directory, Settings.of(auth=auth))  # type: ignore[arg-type]
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=Arrivals().backlog)
+    held = QueueShedding(verdicts, directory, Settings.of(auth=auth))  # type: ignore[arg-type]
     return AcceptDoor(door, is_inference, held)
 
 
@@ -311,13 +301,13 @@ def test_a_body_a_moment_behind_its_headers_is_placed_on_arrival_all_the_same(
     started = time.monotonic()
     assert accept(partial, arriving=True) is AtDoor.USUAL
     assert time.monotonic() - started < 0.5
-    verdicts.forming, placed = False, len(verdicts.placed)  # no line: nothing to count it in
+    verdicts.waiting, placed = False, len(verdicts.placed)  # no line: nothing to count it in
     waits: list[float] = []
     monkeypatch.setattr(accept_door.gevent, "sleep", waits.append)
     _, server = connection(data[:head_end])
     assert accept(server, arriving=True) is AtDoor.USUAL and len(verdicts.placed) == placed
     assert waits == [], "it went on without waiting for its body"
-    verdicts.forming = True
+    verdicts.waiting = True
     _, server = connection(data[:head_end])
     assert accept(server, arriving=True) is AtDoor.USUAL and waits == [accept_door.BODY_WAIT_S] * 3
 
@@ -330,8 +320,8 @@ def test_a_call_let_in_by_its_line_is_refused_at_its_turn_only_when_late(
     directory.policy("default")
     gate = Gate()
     gate.wait_s = 5.0
-    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=worker.backlog, gate=gate)
-    accept = AcceptDoor(door, is_inference, Lines(Verdicts(), directory, Settings.of()))  # type: ignore[arg-type]
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=Arrivals().backlog, gate=gate)
+    accept = AcceptDoor(door, is_inference, QueueShedding(Verdicts(), directory, Settings.of()))  # type: ignore[arg-type]
     _, server = connection(request({"input": "hello"}))
     assert accept(server, 0.5) is AtDoor.REFUSED  # not let in by its line: the expected wait refuses it
     _, server = connection(request({"input": "hello"}))
@@ -340,3 +330,20 @@ def test_a_call_let_in_by_its_line_is_refused_at_its_turn_only_when_late(
     assert accept(server, 1.5, in_line=True) is AtDoor.REFUSED
     server.close()
     assert answer(client)[2]["error"]["type"] == "overloaded"  # type: ignore[index]
+
+
+def test_a_timeout_no_call_may_give_is_left_to_its_400_not_judged_at_accept(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    """Before: the door read the body with Python's json, so ``1e400`` and ``Infinity`` were a timeout of inf and
+    the call was given a place in its model's line (its 400 came after). Now the door reads as the body's reader
+    does, and a timeout past what any call may give goes the usual way, to its 400."""
+    _store, directory = tenants
+    directory.policy("default")
+    shedding = QueueShedding(Verdicts(), directory, Settings.of(auth="none"))  # type: ignore[arg-type]
+
+    def judged(raw: bytes) -> object:
+        return shedding.judged(Peeked("/v1/infer", {}, raw, len(raw)))
+
+    assert judged(b'{"input": "x", "timeout_ms": 5000}') is not None
+    for number in (b"1e400", b"Infinity", b"NaN", b"1e308", b"1" + b"0" * 5000):
+        assert judged(b'{"input": "x", "timeout_ms": ' + number + b"}") is None, number[:10]

@@ -8,13 +8,13 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from harness.admitting import collect, try_admit
+from harness.stack import REDIS_URL, wait_for
 from tasks.config import Settings
 from tasks.policy.capacity import deadline_cap, left_after, recommended_workers, retry_after_s
 from tasks.schema import Priority, WorkerInfo
-from tasks.state.admission import Admission, AdmitCall, CollectCall, Ticket, Verdict
+from tasks.state.admission import Admission, AdmissionVerdict, AdmitCall, CollectCall, Ticket
 from tasks.state.model_load import model_load
-from tests.harness.admitting import collect, try_admit
-from tests.harness.stack import REDIS_URL, wait_for
 
 
 def redis_now(client: redis.Redis) -> float:
@@ -89,18 +89,20 @@ def test_each_verdict_says_how_much_the_model_holds() -> None:
     ns = f"adm{uuid.uuid4().hex[:8]}"
     adm = Admission(client, f"{ns}:inflight", 1000, f"{ns}:quarantine", instance="api-1")
 
-    def admit(n: int, ticket: Ticket, *, model_cap: int, tenant_cap: int) -> tuple[Verdict, int]:
+    def admit(n: int, ticket: Ticket, *, model_cap: int, tenant_cap: int) -> tuple[AdmissionVerdict, int]:
         ids = [uuid.uuid4().hex for _ in range(n)]
         decision = try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=model_cap,
                              tenant_cap=tenant_cap)
         return decision.verdict, decision.ahead
 
     try:
-        assert admit(7, Ticket("a", "sim"), model_cap=10, tenant_cap=100) == (Verdict.OK, 7)
-        assert admit(4, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (Verdict.FULL, 7)  # the model's set
-        assert admit(2, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (Verdict.OK, 9)
-        assert admit(1, Ticket("a", "sim"), model_cap=100, tenant_cap=7) == (Verdict.TENANT_FULL, 7)  # the tenant's
-        assert admit(1, Ticket("c", "sim", Priority.OFFLINE), model_cap=100, tenant_cap=7) == (Verdict.OK, 10)
+        assert admit(7, Ticket("a", "sim"), model_cap=10, tenant_cap=100) == (AdmissionVerdict.OK, 7)
+        # the model's set
+        assert admit(4, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (AdmissionVerdict.FULL, 7)
+        assert admit(2, Ticket("b", "sim"), model_cap=10, tenant_cap=100) == (AdmissionVerdict.OK, 9)
+        # the tenant's
+        assert admit(1, Ticket("a", "sim"), model_cap=100, tenant_cap=7) == (AdmissionVerdict.TENANT_FULL, 7)
+        assert admit(1, Ticket("c", "sim", Priority.OFFLINE), model_cap=100, tenant_cap=7) == (AdmissionVerdict.OK, 10)
     finally:
         for key in client.scan_iter(f"{ns}:*"):
             client.delete(key)
@@ -113,8 +115,8 @@ def test_admission_caps_against_the_real_redis() -> None:
 
     import redis
 
-    from tasks.state.admission import Admission, Ticket, Verdict
-    from tests.harness.stack import REDIS_URL
+    from harness.stack import REDIS_URL
+    from tasks.state.admission import Admission, AdmissionVerdict, Ticket
 
     client = redis.Redis.from_url(REDIS_URL)
     ns = f"adm{uuid.uuid4().hex[:8]}"
@@ -123,38 +125,38 @@ def test_admission_caps_against_the_real_redis() -> None:
     chat, job = Ticket("chat", "sim"), Ticket("batch-job", "sim", Priority.OFFLINE)
 
     def admit(ticket: Ticket, n: int, *, model_cap: int = 10, tenant_cap: int = 100, timeout_s: float = 30
-              ) -> tuple[Verdict, list[str]]:
+              ) -> tuple[AdmissionVerdict, list[str]]:
         ids = [uuid.uuid4().hex for _ in range(n)]
         verdict, *_ = try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=timeout_s,
                                 model_cap=model_cap, tenant_cap=tenant_cap)
         return verdict, ids
 
     try:
-        assert admit(job, 10)[0] is Verdict.OK  # offline work fills the model's room...
-        assert admit(job, 1)[0] is Verdict.FULL  # ...for more offline work
+        assert admit(job, 10)[0] is AdmissionVerdict.OK  # offline work fills the model's room...
+        assert admit(job, 1)[0] is AdmissionVerdict.FULL  # ...for more offline work
         verdict, chat_ids = admit(chat, 8)
-        assert verdict is Verdict.OK  # interactive callers count only interactive work ahead of them
-        assert admit(chat, 3)[0] is Verdict.FULL
-        assert admit(Ticket("small", "sim"), 3, tenant_cap=2)[0] is Verdict.TENANT_FULL
+        assert verdict is AdmissionVerdict.OK  # interactive callers count only interactive work ahead of them
+        assert admit(chat, 3)[0] is AdmissionVerdict.FULL
+        assert admit(Ticket("small", "sim"), 3, tenant_cap=2)[0] is AdmissionVerdict.TENANT_FULL
         assert adm.tenant_in_flight("chat", now) == 8 and adm.in_flight(now) == 18
         oldest = model_load(adm, ["sim"], now + 2)["sim"]
         assert 1.9 < oldest.oldest_age_s < 2.1 and oldest.rate_per_s > 0  # interactive arrivals only
         adm.release(chat, chat_ids)
         assert adm.tenant_in_flight("chat", now) == 0 and adm.in_flight(now) == 10
         assert model_load(adm, ["sim"], now)["sim"].oldest_age_s == 0.0
-        assert admit(chat, 10)[0] is Verdict.OK
+        assert admit(chat, 10)[0] is AdmissionVerdict.OK
         # an API process that died leaks nothing past its callers' deadlines (Redis's clock decides)
         verdict, gone = admit(Ticket("gone", "sim"), 5, model_cap=100, timeout_s=0.2)
-        assert verdict is Verdict.OK
+        assert verdict is AdmissionVerdict.OK
         assert adm.tenant_in_flight("gone", time.time()) == 5
         deadline = max(float(client.zscore(adm.tenant_key("gone"), i) or 0) for i in gone)  # Redis's time + 0.2 s
         assert deadline > 0
         wait_for(lambda: redis_now(client) > deadline, 10, "Redis's clock to pass their deadline")
-        assert admit(Ticket("gone", "sim"), 5, model_cap=100, tenant_cap=5)[0] is Verdict.OK
+        assert admit(Ticket("gone", "sim"), 5, model_cap=100, tenant_cap=5)[0] is AdmissionVerdict.OK
         # an API host whose clock runs an hour fast purges nobody else's live admissions
         ids = [uuid.uuid4().hex for _ in range(3)]
         assert try_admit(adm, ids, ["h"] * 3, ticket=Ticket("skewed", "sim"), now=time.time() + 3600, timeout_s=30,
-                         model_cap=1000, tenant_cap=100)[0] is Verdict.OK
+                         model_cap=1000, tenant_cap=100)[0] is AdmissionVerdict.OK
         assert adm.tenant_in_flight("chat", time.time()) == 10
     finally:
         for key in client.scan_iter(f"{ns}:*"):
@@ -175,15 +177,15 @@ def test_offline_items_have_their_own_global_cap(ns: tuple[redis.Redis, str]) ->
     client, prefix = ns
     adm = Admission(client, f"{prefix}:inflight", 10, f"{prefix}:quarantine", offline_cap=50, instance="api-1")
 
-    def admit(ticket: Ticket, n: int) -> Verdict:
+    def admit(ticket: Ticket, n: int) -> AdmissionVerdict:
         ids = [uuid.uuid4().hex for _ in range(n)]
         return try_admit(adm, ids, ["h"] * n, ticket=ticket, now=time.time(), timeout_s=30, model_cap=1000,
                          tenant_cap=1000)[0]
 
-    assert admit(Ticket("job", "sim", Priority.OFFLINE), 50) is Verdict.OK
-    assert admit(Ticket("job", "sim", Priority.OFFLINE), 1) is Verdict.FULL
-    assert admit(Ticket("chat", "sim"), 10) is Verdict.OK  # the offline backlog leaves interactive room alone
-    assert admit(Ticket("chat", "sim"), 1) is Verdict.FULL
+    assert admit(Ticket("job", "sim", Priority.OFFLINE), 50) is AdmissionVerdict.OK
+    assert admit(Ticket("job", "sim", Priority.OFFLINE), 1) is AdmissionVerdict.FULL
+    assert admit(Ticket("chat", "sim"), 10) is AdmissionVerdict.OK  # the offline backlog leaves interactive room alone
+    assert admit(Ticket("chat", "sim"), 1) is AdmissionVerdict.FULL
 
 
 def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: tuple[redis.Redis, str]) -> None:
@@ -194,7 +196,7 @@ def test_a_dead_api_process_releases_what_it_admitted_when_its_lease_lapses(ns: 
     for ticket in (Ticket("t", "sim"), Ticket("job", "sim", Priority.OFFLINE)):
         ids = [uuid.uuid4().hex for _ in range(5)]
         assert try_admit(dead, ids, ["h"] * 5, ticket=ticket, now=time.time(), timeout_s=3600,
-                         model_cap=100)[0] is Verdict.OK
+                         model_cap=100)[0] is AdmissionVerdict.OK
     assert alive.renew() == 0 and dead.in_flight(time.time()) == 10
     lease_ends = client.zscore(dead.leases_key, "dead")
     assert lease_ends is not None
@@ -214,7 +216,7 @@ def test_with_no_api_process_left_a_reaper_without_a_lease_releases_what_a_lapse
     reaper = Admission(client, f"{prefix}:inflight", 100, f"{prefix}:quarantine")
     ids = [uuid.uuid4().hex for _ in range(7)]
     assert try_admit(cut, ids, ["h"] * 7, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=3600,
-                     model_cap=100)[0] is Verdict.OK
+                     model_cap=100)[0] is AdmissionVerdict.OK
     assert cut.renew() == 0 and reaper.reap() == 0
     lease_ends = client.zscore(cut.leases_key, "cut")
     assert lease_ends is not None
@@ -232,11 +234,11 @@ def test_a_call_that_reaches_redis_after_its_caller_gave_up_is_not_admitted(ns: 
     ids = [uuid.uuid4().hex for _ in range(3)]
     late = try_admit(adm, ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30, model_cap=100,
                      valid_until=redis_now(client) - 0.5)
-    assert late.verdict is Verdict.LATE
+    assert late.verdict is AdmissionVerdict.LATE
     assert adm.in_flight(time.time()) == 0 and not client.hlen(adm.owner_key)
     in_time = try_admit(adm, ids, ["h"] * 3, ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30,
                         model_cap=100, valid_until=redis_now(client) + 2.5)
-    assert in_time.verdict is Verdict.OK and adm.in_flight(time.time()) == 3
+    assert in_time.verdict is AdmissionVerdict.OK and adm.in_flight(time.time()) == 3
 
 
 def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_path_gives_them_back(
@@ -247,18 +249,18 @@ def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_pa
     adm = Admission(client, f"{prefix}:inflight", 1000, f"{prefix}:quarantine", instance="api", lease_s=0.3)
     lm = Ticket("t", "lm")
 
-    def admit(tokens: list[int], timeout_s: float = 30) -> tuple[list[str], Verdict]:
+    def admit(tokens: list[int], timeout_s: float = 30) -> tuple[list[str], AdmissionVerdict]:
         ids = [uuid.uuid4().hex for _ in tokens]
         decision = try_admit(adm, ids, ["h"] * len(ids), ticket=lm, now=time.time(), timeout_s=timeout_s,
                              model_cap=1000, tokens=tokens, token_cap=10_000)
         return ids, decision.verdict
 
     first, verdict = admit([3000, 3000])
-    assert verdict is Verdict.OK and adm.tokens_held("lm") == 6000
+    assert verdict is AdmissionVerdict.OK and adm.tokens_held("lm") == 6000
     _, verdict = admit([5000])
-    assert verdict is Verdict.TOKENS_FULL and adm.tokens_held("lm") == 6000  # refused whole
+    assert verdict is AdmissionVerdict.TOKENS_FULL and adm.tokens_held("lm") == 6000  # refused whole
     second, verdict = admit([4000])
-    assert verdict is Verdict.OK and adm.tokens_held("lm") == 10_000
+    assert verdict is AdmissionVerdict.OK and adm.tokens_held("lm") == 10_000
 
     client.set(f"{prefix}:r:{first[0]}", "done")
     collect(adm, lm, first, [f"{prefix}:r:{first[0]}", f"{prefix}:r:{first[1]}"])  # one answered
@@ -267,8 +269,8 @@ def test_a_models_token_budget_counts_prompt_and_max_tokens_and_every_release_pa
     assert adm.tokens_held("lm") == 4000
 
     _short, verdict = admit([500], timeout_s=0.2)
-    assert verdict is Verdict.OK and adm.tokens_held("lm") == 4500
-    wait_for(lambda: admit([0])[1] is Verdict.OK and adm.tokens_held("lm") == 4000, 10,
+    assert verdict is AdmissionVerdict.OK and adm.tokens_held("lm") == 4500
+    wait_for(lambda: admit([0])[1] is AdmissionVerdict.OK and adm.tokens_held("lm") == 4000, 10,
              "the expired item's tokens to be purged at the next admission")
 
     reaper = Admission(client, f"{prefix}:inflight", 1000, f"{prefix}:quarantine")
@@ -295,7 +297,8 @@ def test_one_round_admits_several_calls_in_order_each_with_its_own_verdict(ns: t
 
     calls = [call("a", 6), call("b", 1, ["bad"]), call("c", 5), call("d", 4)]
     decisions = adm.try_admit_many(calls, valid_until=redis_now(client) + 2.5)
-    assert [d.verdict for d in decisions] == [Verdict.OK, Verdict.QUARANTINED, Verdict.FULL, Verdict.OK]
+    assert [d.verdict for d in decisions] == [AdmissionVerdict.OK, AdmissionVerdict.QUARANTINED,
+                                              AdmissionVerdict.FULL, AdmissionVerdict.OK]
     assert decisions[1].bad_hash == "bad" and decisions[2].ahead == 6  # c saw a's 6 items ahead of it
     assert adm.in_flight(time.time()) == 10
     assert [client.get(c.record[0]) for c in calls if c.record] == [b"record of a", None, None, b"record of d"]

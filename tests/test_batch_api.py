@@ -20,9 +20,9 @@ import requests
 from sqlalchemy import func, inspect, select
 from sqlalchemy.orm import Session
 
+from harness.helpers import expected
+from harness.stack import BROKER_URL, REDIS_URL, Stack, running_stack, wait_for
 from tasks.store.models import BatchLineRecord, RequestRecord, make_engine
-from tests.harness.helpers import expected
-from tests.harness.stack import BROKER_URL, REDIS_URL, Stack, running_stack, wait_for
 
 if os.environ.get("CI"):
     import openai
@@ -342,6 +342,7 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
     from tasks.policy.batchfile import idempotency_key, line_request_id
     from tasks.schema import WorkerInfo
     from tasks.state.records import Idempotency, Record, Shape
+    from tasks.state.requests import Requests
     from tasks.state.results import ResultWriter
     from tasks.store.jobs import JobStore, Line
     from tasks.store.models import Base
@@ -353,14 +354,14 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
                         jobs_line_timeout_ms=20_000)
     Base.metadata.create_all(make_engine(settings.stores.database_url))
     services = Services.from_settings(settings)
-    gateway = services.gateway
-    device = Device(ResultWriter.from_settings(settings, gateway.client))
-    monkeypatch.setattr(gateway.publisher, "publish", device.publish)
-    now = gateway.clock()
-    gateway.fleet.beat(WorkerInfo(id="gpu0@test", queue="q", model="sim", max_batch=8, state="idle", outstanding=0,
-                                  completed=1, batch_started_at=None, batch_ms_estimate=10.0, heartbeat_at=now + 600))
+    device = Device(ResultWriter.from_settings(settings, services.client))
+    monkeypatch.setattr(services.publisher, "publish", device.publish)
+    now = services.clock()
+    services.fleet.beat(WorkerInfo(id="gpu0@test", queue="q", model="sim", max_batch=8, state="idle", outstanding=0,
+                                   completed=1, batch_started_at=None, batch_ms_estimate=10.0, heartbeat_at=now + 600))
     job = JobStore.from_settings(settings).create("alice", "/v1/infer", "file-x", "24h", None, now)
     runner = LineRunner(services)
+    records = Requests.from_settings(settings, services.client)  # the records the killed process left
 
     def line(n: int) -> Line:
         return Line(job.id, n, f"line-{n}", line_request_id(job.id, n), json.dumps({"input": f"text {n}"}), 0)
@@ -369,11 +370,11 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
         """Line n as the killed process left it: claimed and being sent (or, ``published=False``, not yet) by a
         process with no lease; its item id."""
         idem = Idempotency.of(idempotency_key(job.id, f"line-{n}"), job.endpoint, {"input": f"text {n}"})
-        at = gateway.clock()
+        at = services.clock()
         first = Record(request_id=line_request_id(job.id, n), tenant="alice", model="sim", items=(uuid.uuid4().hex,),
                        accepted_at=at, deadline=at + deadline_s, instance="killed", shape=Shape("infer", single=True),
                        published=published, key_hash=idem.key_hash)
-        assert gateway.requests.claim(first, idem, at).claimed
+        assert records.claim(first, idem, at).claimed
         return first.items[0]
 
     try:
@@ -408,7 +409,7 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
         assert device.runs == Counter({line(3).request_id: 1, line(4).request_id: 1})
         assert time.monotonic() - started < 60, "a call never sent was followed to its deadline"
     finally:
-        gateway.client.delete(*gateway.client.keys(f"{settings.broker.namespace}:*") or ["none"])
+        services.client.delete(*services.client.keys(f"{settings.broker.namespace}:*") or ["none"])
 
 
 @pytest.mark.fault
@@ -457,7 +458,7 @@ def test_a_tenant_at_its_cap_backs_off_and_its_job_still_completes(jobs_stack: S
 def test_db_upgrade_creates_the_batch_tables(database_url: str) -> None:
     import subprocess
 
-    from tests.harness.stack import BIN, ROOT
+    from harness.stack import BIN, ROOT
 
     def admin(*args: str) -> None:
         done = subprocess.run([str(BIN / "llmb-admin"), "--database-url", database_url, *args], cwd=ROOT,
@@ -478,7 +479,7 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
     """Redis (a private one, no persistence) SIGKILLed and started again mid-job: every record, claim and result it
     held is gone. The job completes with every line's own output; a line already finished in the database before
     the restart is not sent again (lines that were in flight may be: their first run's answer was lost)."""
-    from tests.harness.services import PrivateRedis
+    from harness.services import PrivateRedis
 
     private = PrivateRedis().start()
     try:
@@ -496,7 +497,8 @@ def test_a_job_survives_a_redis_restart_and_runs_no_finished_line_again(tmp_path
             private.kill()
             private.start()
             done = finished(bob, batch.id, timeout_s=120)
-            assert done.status == "completed" and counts(done).completed == 300, done.request_counts
+            assert done.status == "completed" and counts(done).completed == 300, \
+                (done.request_counts, read(bob, done.error_file_id)[:3] if done.error_file_id else None)
             outputs = read(bob, done.output_file_id)
             assert sorted(x["custom_id"] for x in outputs) == sorted(f"line-{i}" for i in range(300))
             assert all(x["response"]["body"]["output"] == expected(f"restart {x['custom_id'].split('-')[1]}")

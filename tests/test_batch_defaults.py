@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.stack import BIN, ROOT, Stack, running_stack
+from harness.stack import BIN, ROOT, Stack, running_stack
 
 if not os.environ.get("CI"):
     pytest.importorskip("openai", reason="bin/test installs the test extra (the official openai client)")

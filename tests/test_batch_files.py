@@ -20,8 +20,8 @@ import pytest
 import requests
 from sqlalchemy.orm import Session
 
+from harness.stack import Stack, running_stack
 from tasks.store.models import FileRecord, make_engine
-from tests.harness.stack import Stack, running_stack
 
 if os.environ.get("CI"):
     import openai

@@ -1,14 +1,16 @@
-"""The batcher's guarantees with its I/O replaced by recorders and a fake clock."""
+"""The batcher's guarantees from the decisions it returns, with a fake clock and the consumer's part played by a
+recorder (each batch decided taken as published, then its messages acknowledged)."""
 from __future__ import annotations
 
 from collections import Counter
 
 import pytest
 
-from tasks.policy.batcher import Batcher
+from tasks.policy.batcher import EXPIRED, Batcher, BatcherConfig
 from tasks.policy.flush import FlushPolicy
+from tasks.policy.scheduler_output import Drop, SchedulerOutput, Send
 from tasks.policy.wait import WaitPolicy
-from tasks.schema import Batch, InferenceRequest, Item, Priority, WorkerInfo
+from tasks.schema import Batch, InferenceRequest, Item, Priority, SamplingParams, WorkerInfo
 from tests.fakes import FakeClock
 
 
@@ -23,33 +25,53 @@ class Harness:
         self.clock = FakeClock(start=1_000.0)
         self.sent: list[tuple[Batch, str]] = []
         self.acked: list[str] = []
-        self.fail_dispatch = False
         self.workers = [worker(f"w{i}") for i in range(workers)]
-        self.batcher = Batcher(FlushPolicy(size, wait_s), self.dispatch, lambda: self.workers,
-                               max_outstanding=max_outstanding, wait=wait, clock=self.clock,
-                               wallclock=self.clock)
+        self.batcher = Batcher(BatcherConfig(FlushPolicy(size, wait_s), wait, max_outstanding=max_outstanding),
+                               lambda: self.workers, clock=self.clock, wallclock=self.clock)
 
-    def dispatch(self, batch: Batch, w: WorkerInfo) -> None:
-        if self.fail_dispatch:
-            raise ConnectionError("broker gone")
-        self.sent.append((batch, w.id))
+    def record(self, out: SchedulerOutput) -> float | None:
+        """Take the batcher's decisions as a consumer whose every publish succeeds; when to poll next."""
+        for message in [*out.acks, *(m for step in out.steps for m in step.acks)]:
+            message.ack()
+        self.sent += [(s.batch, s.worker.id) for s in out.sends]
+        return out.next_poll_s
+
+    def poll(self) -> float | None:
+        return self.record(self.batcher.poll())
+
+    def started(self, worker_id: str, batch_id: str, at: float | None = None) -> float | None:
+        return self.record(self.batcher.started(worker_id, batch_id, at))
+
+    def finished(self, worker_id: str, batch_id: str, run_s: float | None = None,
+                 took: dict[str, int] | None = None) -> float | None:
+        return self.record(self.batcher.finished(worker_id, batch_id, run_s, took))
+
+    def request(self, rid: str, n_items: int = 1, timeout_s: float = 30.0, tenant: str = "default",
+                priority: Priority = Priority.INTERACTIVE) -> InferenceRequest:
+        now = self.clock.now
+        return InferenceRequest(id=rid, tenant=tenant, model="sim",
+                                items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n_items)),
+                                accepted_at=now, deadline=now + timeout_s, reply_to="r", priority=priority)
 
     def submit(self, rid: str, n_items: int = 1, timeout_s: float = 30.0, tenant: str = "default",
                priority: Priority = Priority.INTERACTIVE) -> float | None:
-        now = self.clock.now
-        request = InferenceRequest(id=rid, tenant=tenant, model="sim",
-                                   items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n_items)),
-                                   accepted_at=now, deadline=now + timeout_s, reply_to="r", priority=priority)
-        return self.batcher.add(request, lambda: self.acked.append(rid))
+        return self.record(self.add(rid, n_items, timeout_s, tenant, priority))
+
+    def add(self, rid: str, n_items: int = 1, timeout_s: float = 30.0, tenant: str = "default",
+            priority: Priority = Priority.INTERACTIVE) -> SchedulerOutput:
+        """The batcher's decisions on a request, not yet carried out."""
+        return self.batcher.add(self.request(rid, n_items, timeout_s, tenant, priority), lambda: self.acked.append(rid))
 
 
 def test_full_batch_is_sent_at_once_and_acked_only_after_dispatch() -> None:
     h = Harness(size=3)
-    h.submit("a")
-    h.submit("b")
-    assert h.sent == [] and h.acked == []
-    h.submit("c")
-    assert len(h.sent) == 1 and [i.request_id for i in h.sent[0][0].items] == ["a", "b", "c"]
+    assert h.add("a").steps == () and h.add("b").steps == ()
+    (send,) = h.add("c").steps  # one decision: this batch to that worker, then these messages acknowledged
+    assert isinstance(send, Send) and send.worker.id == "w0"
+    assert [i.request_id for i in send.batch.items] == ["a", "b", "c"]
+    assert h.acked == []  # nothing is acknowledged by the batcher itself: the consumer does, once it is published
+    for message in send.acks:
+        message.ack()
     assert h.acked == ["a", "b", "c"]
 
 
@@ -58,10 +80,10 @@ def test_wait_trigger_through_poll() -> None:
     delay = h.submit("a")
     assert delay == pytest.approx(0.020)
     h.clock.advance(0.010)
-    assert h.batcher.poll() == pytest.approx(0.010)
+    assert h.poll() == pytest.approx(0.010)
     assert h.sent == []
     h.clock.advance(0.010)
-    assert h.batcher.poll() is None
+    assert h.poll() is None
     assert len(h.sent) == 1 and h.acked == ["a"]
 
 
@@ -70,9 +92,13 @@ def test_expired_items_never_run_but_their_message_is_acked() -> None:
     h.submit("short", timeout_s=0.005)
     h.submit("long", timeout_s=10)
     h.clock.advance(0.030)
-    h.batcher.poll()
-    assert [i.request_id for b, _ in h.sent for i in b.items] == ["long"]
-    assert sorted(h.acked) == ["long", "short"]
+    drop, send = h.batcher.poll().steps
+    assert isinstance(drop, Drop) and [i.request_id for i in drop.items] == ["short"]
+    assert (drop.status, drop.reason) == ("expired", EXPIRED)
+    assert isinstance(send, Send) and [i.request_id for i in send.batch.items] == ["long"]
+    for message in drop.acks + send.acks:  # each message acknowledged after its own step
+        message.ack()
+    assert h.acked == ["short", "long"]
     assert h.batcher.stats["expired_items"] == 1
 
 
@@ -81,7 +107,7 @@ def test_a_multi_item_message_is_acked_when_its_last_item_is_dispatched() -> Non
     h.submit("big", n_items=5)  # 3 go now, 2 wait
     assert len(h.sent) == 1 and h.acked == []
     h.clock.advance(0.020)
-    h.batcher.poll()
+    h.poll()
     assert len(h.sent) == 2 and h.acked == ["big"]
 
 
@@ -93,24 +119,85 @@ def test_a_message_of_several_calls_is_acked_once_every_item_of_every_call_is_di
     calls = [InferenceRequest(id=rid, tenant="default", model="sim",
                               items=tuple(Item(f"{rid}.{i}", f"text {rid} {i}") for i in range(n)),
                               accepted_at=now, deadline=now + 30, reply_to="r") for rid, n in (("x", 2), ("y", 2))]
-    assert h.batcher.add_message(calls, lambda: h.acked.append("message")) is not None  # one item left waiting
+    out = h.batcher.add_message(calls, lambda: h.acked.append("message"))
+    assert h.record(out) is not None  # one item left waiting
     assert len(h.sent) == 1 and h.acked == []
     h.clock.advance(0.020)
-    h.batcher.poll()
+    h.poll()
     assert [[i.request_id for i in b.items] for b, _ in h.sent] == [["x", "x", "y"], ["y"]]
     assert h.acked == ["message"]
 
 
 def test_failed_dispatch_keeps_items_unacked_and_retries() -> None:
     h = Harness(size=2)
-    h.fail_dispatch = True
     h.submit("a")
-    h.submit("b")
-    assert h.sent == [] and h.acked == []
-    assert len(h.batcher.buffers["sim"]) == 2
-    h.fail_dispatch = False
-    h.batcher.retry_held()  # what the batcher's periodic tick does
+    out = h.add("b")
+    assert len(out.sends) == 1
+    assert h.batcher.unsent(out.steps) == SchedulerOutput()  # the broker refused it: it goes back, held
+    assert h.acked == [] and len(h.batcher.buffers["sim"]) == 2 and h.batcher.held_by("w0") == []
+    assert h.poll() is None and h.sent == []  # held until the next retry
+    h.record(h.batcher.retry_held())  # what the batcher's periodic tick does
     assert h.acked == ["a", "b"]
+
+
+def one_send_then_a_drop_completing_two_messages() -> tuple[Harness, SchedulerOutput]:
+    """One flush: m's first item to w0, then m's second and x's only item dropped (they cannot finish on the
+    slow w1 in time), which completes both messages."""
+    h = Harness(size=1, workers=2, max_outstanding=1)
+    h.batcher.scheduler.finished("w1", "warm-up", run_s=0.250)  # batches take 250 ms on w1
+    for wid in ("w0", "w1"):
+        h.batcher.scheduler.sent(wid, f"busy-{wid}", h.clock.now)
+    h.submit("m", n_items=2, timeout_s=0.2)
+    h.submit("x", timeout_s=0.2)
+    assert h.sent == []  # both workers busy: held
+    for wid in ("w0", "w1"):
+        h.batcher.scheduler.finished(wid, f"busy-{wid}")
+    out = h.batcher.retry_held()
+    send, drop = out.steps
+    assert isinstance(send, Send) and send.worker.id == "w0" and send.acks == ()
+    assert isinstance(drop, Drop) and [i.id for i in drop.items] == ["m.1", "x.0"] and len(drop.acks) == 2
+    return h, out
+
+
+def test_a_drop_after_a_refused_batch_is_acknowledged_only_where_it_does_not_wait_on_that_batch() -> None:
+    """The broker refuses w0's batch: x is still acknowledged, m only once its first item is sent after all."""
+    h, out = one_send_then_a_drop_completing_two_messages()
+    back = h.batcher.unsent(out.steps)
+    assert back.sends == [] and len(back.drops) == 1 and [i.id for i in back.drops[0].items] == ["m.1", "x.0"]
+    h.record(back)
+    assert h.acked == ["x"]
+    h.record(h.batcher.retry_held())
+    assert [i.id for b, _ in h.sent for i in b.items] == ["m.0"] and h.acked == ["x", "m"]
+
+
+def test_the_consumer_publishes_then_records_and_acknowledges_and_hands_a_refused_batch_back() -> None:
+    """The bootstep's part (tasks.broker.consumer) on the decisions above, with a broker that refuses, then
+    takes, the batch."""
+    from types import SimpleNamespace
+    from typing import cast
+
+    from tasks.broker.consumer import BatchingStep
+    from tasks.store.ledger import ItemsOutcome
+
+    h, out = one_send_then_a_drop_completing_two_messages()
+    published: list[str] = []
+    recorded: list[ItemsOutcome] = []
+    armed: list[float | None] = []
+
+    def send_task(name: str, args: list[dict[str, object]], queue: str, **_: object) -> None:
+        if fake.refuse:
+            raise ConnectionError("broker gone")
+        published.append(queue)
+
+    fake = SimpleNamespace(batcher=h.batcher, refuse=True, app=SimpleNamespace(send_task=send_task),
+                           ledger=SimpleNamespace(record=recorded.append), _arm=armed.append)
+    fake._publish = lambda send: BatchingStep._publish(cast(BatchingStep, fake), send)
+    BatchingStep._carry_out(cast(BatchingStep, fake), out)
+    assert published == [] and h.acked == ["x"] and armed == [None]  # held: the next tick retries it
+    assert [(r.status, [i.id for i in r.items]) for r in recorded] == [("expired", ["m.1", "x.0"])]
+    fake.refuse = False
+    BatchingStep._carry_out(cast(BatchingStep, fake), h.batcher.retry_held())
+    assert published == ["q.w0"] and h.acked == ["x", "m"]
 
 
 def test_no_worker_holds_items_until_one_appears() -> None:
@@ -119,7 +206,7 @@ def test_no_worker_holds_items_until_one_appears() -> None:
     assert h.submit("b") is None  # held: no per-message timer, the periodic poll retries
     assert h.sent == [] and h.acked == []
     h.workers = [worker("late")]
-    h.batcher.retry_held()  # what the batcher's periodic tick does
+    h.record(h.batcher.retry_held())  # what the batcher's periodic tick does
     assert h.sent[0][1] == "late" and h.acked == ["a", "b"]
 
 
@@ -127,14 +214,14 @@ def test_work_conserving_batches_grow_while_workers_are_busy() -> None:
     h = Harness(size=100, wait_s=0.020, workers=1, max_outstanding=1)
     h.submit("first")
     h.clock.advance(0.020)
-    h.batcher.poll()
+    h.poll()
     assert len(h.sent) == 1
     for i in range(150):  # arrive while the only worker is busy
         h.submit(f"r{i}")
         h.clock.advance(0.001)
-    h.batcher.poll()
+    h.poll()
     assert len(h.sent) == 1, "nothing may queue behind a busy worker"
-    h.batcher.finished("w0", h.sent[0][0].id, run_s=0.25)
+    h.finished("w0", h.sent[0][0].id, run_s=0.25)
     assert [len(b.items) for b, _ in h.sent] == [1, 100]
 
 
@@ -143,15 +230,15 @@ def test_the_waiting_batch_keeps_filling_until_the_running_one_is_nearly_done() 
     h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)  # the worker's batch time is known: 250 ms
     h.submit("first")
     h.clock.advance(0.020)
-    h.batcher.poll()
-    h.batcher.started("w0", h.sent[0][0].id)
+    h.poll()
+    h.started("w0", h.sent[0][0].id)
     for i in range(40):  # 200 ms of arrivals while the first batch runs
         h.submit(f"r{i}")
         h.clock.advance(0.005)
-        h.batcher.poll()
+        h.poll()
     assert len(h.sent) == 1, "a batch handed over now would stop filling for nothing"
     h.clock.advance(0.040)  # 15 ms before the running batch should end
-    h.batcher.poll()
+    h.poll()
     assert [len(b.items) for b, _ in h.sent] == [1, 40]
 
 
@@ -160,7 +247,7 @@ def one_batch_sent_to_a_250_ms_worker() -> Harness:
     h.batcher.scheduler.finished("w0", "warm-up", run_s=0.250)
     h.submit("first")
     h.clock.advance(0.020)
-    h.batcher.poll()
+    h.poll()
     return h
 
 
@@ -168,19 +255,19 @@ def test_a_started_announcement_counts_from_when_the_batch_started_not_when_it_a
     h = one_batch_sent_to_a_250_ms_worker()
     started = h.clock.now
     h.clock.advance(0.030)  # the announcement took 30 ms to get here (a saturated host)
-    h.batcher.started("w0", h.sent[0][0].id, at=started)
+    h.started("w0", h.sent[0][0].id, at=started)
     h.submit("next")
     h.clock.now = started + 0.250 - 0.015  # the lead before the batch's real end
-    h.batcher.poll()
+    h.poll()
     assert [len(b.items) for b, _ in h.sent] == [1, 1], "dated by its arrival, it would go out 30 ms late"
 
 
 def test_an_announcement_dated_far_back_is_believed_only_so_far() -> None:
     h = one_batch_sent_to_a_250_ms_worker()
-    h.batcher.started("w0", h.sent[0][0].id, at=h.clock.now - 60)  # a clock that jumped
+    h.started("w0", h.sent[0][0].id, at=h.clock.now - 60)  # a clock that jumped
     h.submit("next")
     h.clock.advance(0.050)
-    h.batcher.poll()
+    h.poll()
     assert len(h.sent) == 1, "a running batch must not look finished from a wrong date"
 
 
@@ -198,7 +285,7 @@ def test_discard_all_leaves_everything_unacked_for_redelivery() -> None:
     h.submit("a")
     h.submit("b")
     assert h.batcher.discard_all() == 2
-    assert h.acked == [] and h.batcher.poll() is None
+    assert h.acked == [] and h.poll() is None
 
 
 def test_items_that_cannot_finish_in_time_on_the_chosen_worker_are_dropped() -> None:
@@ -207,7 +294,7 @@ def test_items_that_cannot_finish_in_time_on_the_chosen_worker_are_dropped() -> 
     h.submit("doomed", timeout_s=0.200)  # would still be running at its deadline
     h.submit("fine", timeout_s=1.0)
     h.clock.advance(0.020)
-    h.batcher.poll()
+    h.poll()
     assert [i.request_id for b, _ in h.sent for i in b.items] == ["fine"]
     assert sorted(h.acked) == ["doomed", "fine"]
 
@@ -219,7 +306,7 @@ def test_a_flood_held_behind_busy_workers_does_not_delay_another_tenant() -> Non
         h.submit(f"a{k}", n_items=100, tenant="a")
     assert len(h.sent) == 1  # the worker holds its one batch; the rest of A's flood waits in the buffer
     h.submit("b0", tenant="b")
-    h.batcher.finished("w0", h.sent[0][0].id)
+    h.finished("w0", h.sent[0][0].id)
     assert "b0" in {i.request_id for i in h.sent[1][0].items}
     assert len(h.sent[1][0].items) == 100  # and A gets the rest of the batch
 
@@ -229,7 +316,7 @@ def test_interactive_requests_overtake_queued_offline_work() -> None:
     h.submit("first", n_items=10, priority=Priority.OFFLINE)  # full: sent at once
     h.submit("job", n_items=30, priority=Priority.OFFLINE)
     h.submit("chat", n_items=2)
-    h.batcher.finished("w0", h.sent[0][0].id)
+    h.finished("w0", h.sent[0][0].id)
     assert [i.request_id for i in h.sent[1][0].items][:2] == ["chat", "chat"]
 
 
@@ -238,7 +325,7 @@ def test_adaptive_wait_leaves_at_once_for_a_free_device_and_thin_traffic() -> No
     delay = h.submit("a")
     assert delay == pytest.approx(0.001)
     h.clock.advance(0.001)
-    h.batcher.poll()
+    h.poll()
     assert len(h.sent) == 1
 
 
@@ -252,19 +339,20 @@ def test_a_lost_workers_batches_are_kept_until_they_are_in_the_recovery_queue() 
     from kombu import Connection
     from kombu.exceptions import EncodeError
 
+    from harness.stack import BROKER_URL, REDIS_URL
     from tasks.broker.queues import recovery_queue
     from tasks.broker.recovery import Recovery
     from tasks.state.claims import Claims
     from tasks.state.fleet import Fleet
     from tasks.state.quarantine import Quarantine
     from tasks.state.results import ResultWriter
-    from tests.harness.stack import BROKER_URL, REDIS_URL
 
     h = Harness(size=1, workers=1)
     h.submit("a")
     h.submit("b")
     _first, second = h.batcher.held_by("w0")
-    broken = second.with_items(tuple(replace(i, params={"x": {1, 2}}) for i in second.items))
+    unencodable = SamplingParams(unknown={"x": {1, 2}})
+    broken = second.with_items(tuple(replace(i, params=unencodable) for i in second.items))
     worker_id, _, sent_at = h.batcher.in_flight[second.id]
     h.batcher.in_flight[second.id] = (worker_id, broken, sent_at)  # a set: JSON cannot encode it
     client = redis.Redis.from_url(REDIS_URL)
@@ -291,13 +379,13 @@ def test_a_worker_nobody_consumes_gets_no_batch_until_its_queue_has_a_consumer()
     import redis
     from kombu import Connection
 
+    from harness.stack import BROKER_URL, REDIS_URL
     from tasks.broker.queues import recovery_queue
     from tasks.broker.recovery import Recovery
     from tasks.state.claims import Claims
     from tasks.state.fleet import Fleet
     from tasks.state.quarantine import Quarantine
     from tasks.state.results import ResultWriter
-    from tests.harness.stack import BROKER_URL, REDIS_URL
 
     ns = f"t{uuid.uuid4().hex[:10]}"
     h = Harness(size=1, workers=1)
@@ -339,20 +427,31 @@ def test_generation_requests_are_shared_by_tokens_and_corrected_by_what_they_too
 
     def send(rid: str, tenant: str, chars: int) -> None:
         request = InferenceRequest(id=rid, tenant=tenant, model="sim", items=(Item(f"{rid}.0", "x" * chars),),
-                                   accepted_at=now, deadline=now + 30, reply_to="r", params={"max_tokens": 100})
-        h.batcher.add(request, lambda: None)
+                                   accepted_at=now, deadline=now + 30, reply_to="r",
+                                   params=SamplingParams(max_tokens=100))
+        h.record(h.batcher.add(request, lambda: None))
 
     h.batcher.scheduler.sent("w0", "busy", h.clock.now)  # the worker is busy: requests accumulate
     for k in range(60):
         send(f"long{k}", "long", 2000)
         send(f"short{k}", "short", 40)
-    h.batcher.finished("w0", "busy")
+    h.finished("w0", "busy")
     first = h.sent[-1][0]
     count = Counter(i.tenant for i in first.items)
     assert count["short"] >= 4 * count["long"] >= 4, count
 
     tokens = {t: sum(600 if t == "long" else 110 for i in first.items if i.tenant == t) for t in count}
     took = {"long": count["long"] * 150, "short": tokens["short"]}  # the long answers stopped early
-    h.batcher.finished("w0", first.id, 0.25, took)
+    h.finished("w0", first.id, 0.25, took)
     second = h.sent[-1][0]
     assert Counter(i.tenant for i in second.items)["long"] > count["long"], Counter(i.tenant for i in second.items)
+
+
+def test_the_batchers_config_comes_from_its_settings() -> None:
+    from tasks.config import Settings
+
+    c = BatcherConfig.from_settings(Settings.of(max_batch_size=7, max_wait_ms=5, wait_mode="fixed",
+                                                prefix_wait_ms=200, max_outstanding_batches=3))
+    assert (c.policy.max_batch_size, c.policy.max_wait_s, c.max_outstanding) == (7, 0.005, 3)
+    assert c.wait is not None and (c.wait.mode, c.wait.fixed_s) == ("fixed", 0.005)
+    assert c.prefix_wait_s == pytest.approx(0.2) and c.prefix_routing

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from tests.harness.stack import ROOT
+from harness.stack import ROOT
 
 HTTP_ANSWERS = {"200", "429", "503", "504"}  # what a working system answers an open-loop load with
 
@@ -72,7 +72,7 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_report(tmp_path: Path) -> 
 def test_the_load_generator_reuses_connections_with_keep_alive(tmp_path: Path) -> None:
     """``bench/load.py --keep-alive`` (a client's connection pool) against the in-process reference: every request
     answered once, on far fewer connections than requests; without it, one connection per request."""
-    from tests.harness.stack import free_port, wait_for
+    from harness.stack import free_port, wait_for
 
     port = free_port()
     server = subprocess.Popen([sys.executable, str(ROOT / "bench" / "reference.py"), "--port", str(port),
@@ -88,7 +88,7 @@ def test_the_load_generator_reuses_connections_with_keep_alive(tmp_path: Path) -
         runs = {}
         for mode in ("new", "keep-alive"):
             out = tmp_path / f"{mode}.json"
-            argv = [sys.executable, str(ROOT / "bench" / "load.py"), "--url", f"http://127.0.0.1:{port}", "--rate",
+            argv = [sys.executable, "-m", "bench.load", "--url", f"http://127.0.0.1:{port}", "--rate",
                     "100", "--duration", "2", "--out", str(out)] + (["--keep-alive"] if mode == "keep-alive" else [])
             done = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=120)
             assert done.returncode == 0, done.stderr

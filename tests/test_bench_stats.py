@@ -1,4 +1,4 @@
-"""bench/stats.py's percentile, the one every benchmark and load report uses (bench/load.py, bench/llm.py, the
+"""harness/stats.py's percentile, the one every benchmark and load report uses (bench/load.py, bench/llm.py, the
 harness's LoadReport and pooled summary): known values, the ends, and what it answers for no values."""
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import math
 
 import pytest
 
-from bench.stats import percentile, rounded
-from tests.harness.loadgen import LoadReport
-from tests.harness.pooled import quantile_s
+from harness.loadgen import LoadReport
+from harness.pooled import quantile_s
+from harness.stats import percentile, rounded
 
 
 @pytest.mark.parametrize(("q", "expected"), [(0, 1), (10, 2), (49, 5), (50, 6), (90, 10), (99, 10), (100, 10)])

@@ -7,8 +7,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
+from harness.stack import REDIS_URL
 from tasks.state.claims import DONE, Claims
-from tests.harness.stack import REDIS_URL
 
 RUN0, RUN0_AGAIN, RUN1 = "gpu0@h/a1", "gpu0@h/b2", "gpu1@h/c3"  # RUN0_AGAIN: gpu0 restarted by its supervisor
 

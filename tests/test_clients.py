@@ -30,8 +30,8 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.stack import Stack, running_stack, wait_for
 from tasks.store.models import RequestRecord, make_engine
-from tests.harness.stack import Stack, running_stack, wait_for
 
 os.environ["LITELLM_LOCAL_MODEL_COST_MAP"] = "True"  # before litellm is imported: no fetch of the cost map
 

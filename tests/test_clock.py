@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 import redis
 
+from harness.helpers import assert_json_error, expected, post, post_many
+from harness.stack import REDIS_URL, Stack, free_port, running_stack, wait_for
 from tasks.state.clock import SharedClock
-from tests.harness.helpers import assert_json_error, expected, post, post_many
-from tests.harness.stack import REDIS_URL, Stack, free_port, running_stack, wait_for
 
 
 def redis_now(client: redis.Redis) -> float:

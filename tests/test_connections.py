@@ -16,9 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import pooled
-from tests.harness.services import Vhost
-from tests.harness.stack import Stack, running_stack
+from harness import pooled
+from harness.services import Vhost
+from harness.stack import Stack, running_stack, wait_for
+from webapp.connections import STOP_GRACE_S
 
 GET = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
 
@@ -130,9 +131,10 @@ def test_gunicorns_own_refusals_are_json(defaults: Stack, request_bytes: bytes, 
     sock.close()
 
 
-def test_a_stopping_api_process_closes_idle_connections_at_once(defaults: Stack) -> None:
-    """SIGTERM with idle kept-alive connections open: they are closed at once (nothing is lost), so the stop does
-    not wait out the 75 s keep-alive or the 10 s graceful timeout."""
+def test_a_stopping_api_process_closes_idle_connections_after_its_stop_grace(defaults: Stack) -> None:
+    """SIGTERM with idle kept-alive connections open: they are closed once STOP_GRACE_S has passed (a request on
+    one meanwhile is answered with Connection: close, rather than racing the close), so the stop does not wait out
+    the 75 s keep-alive or the 30 s graceful timeout."""
     url = defaults.start_web("web-stop", workers=1)
     port = int(url.rsplit(":", 1)[1])
     idle = []
@@ -143,11 +145,34 @@ def test_a_stopping_api_process_closes_idle_connections_at_once(defaults: Stack)
         idle.append(sock)
     started = time.monotonic()
     defaults.signal("web-stop", signal.SIGTERM)
-    assert all(_closed_within(sock, 5.0) for sock in idle)
-    defaults.wait_exit("web-stop", timeout_s=8)
-    assert time.monotonic() - started < 8
+    assert all(_closed_within(sock, STOP_GRACE_S + 3) for sock in idle)
+    defaults.wait_exit("web-stop", timeout_s=STOP_GRACE_S + 6)
+    assert time.monotonic() - started < STOP_GRACE_S + 6
     for sock in idle:
         sock.close()
+
+
+def test_a_request_on_a_kept_alive_connection_of_a_stopping_process_is_answered_then_closed(defaults: Stack) -> None:
+    """A pooled client sends on its kept-alive connection while the API process stops (a SIGHUP reload, a rolling
+    upgrade): the request is answered, with Connection: close, and only then is the connection closed. Closing it
+    at once raced such requests (a reset, or "server disconnected")."""
+    url = defaults.start_web("web-grace", workers=1)
+    port = int(url.rsplit(":", 1)[1])
+    sock = socket.create_connection(("127.0.0.1", port), timeout=15)
+    sock.sendall(GET)
+    assert _response(sock)[0] == 200
+    defaults.signal("web-grace", signal.SIGTERM)
+
+    def answered_with_close() -> bool:  # until the worker has taken the stop in: answered as usual before
+        sock.sendall(GET)
+        status, headers, _ = _response(sock)
+        assert status == 200, status
+        return headers.get("connection", "").lower() == "close"
+
+    wait_for(answered_with_close, 10, "a request on the kept-alive connection answered with Connection: close")
+    assert _closed_within(sock, 5.0)
+    sock.close()
+    defaults.wait_exit("web-grace", timeout_s=STOP_GRACE_S + 6)
 
 
 def test_one_pooled_session_a_flood_beside_a_steady_tenant_sees_no_connection_error(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ from kombu import Connection
 
 from gpu_worker.device_lock import Holder, holder_looks_alive, process_start
 from gpu_worker.supervisor import DEVICE_TAKEN
-from tests.harness.stack import Stack, alive, running_stack, wait_for
+from harness.stack import Stack, alive, running_stack, wait_for
 from tests.test_supervisor import fresh_heartbeat_after
 
 HERE = socket.gethostname()

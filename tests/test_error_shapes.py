@@ -2,7 +2,8 @@
 
 The Flask app in process, on the real Redis and RabbitMQ (a private Redis where it must go away): routing's 404 and
 405 and an unexpected exception on the OpenAI and Batch API routes in OpenAI's shape, on the native routes in the
-native one; the admin routes' 400 for a weight no float holds and 503 (not 500) while Redis is away.
+native one; the admin routes' 400 for a weight no float holds and 503 (not 500) while Redis is away; and the one
+table of domain errors' statuses (every type of tasks.errors in it, each with the status it had).
 """
 from __future__ import annotations
 
@@ -14,11 +15,14 @@ import pytest
 from flask import Flask
 from flask.testing import FlaskClient
 
+from harness.services import PrivateRedis
+from tasks import errors
 from tasks.config import Settings
+from tasks.errors import BatchingError
+from tasks.gateway import readiness
 from tasks.store.models import Base, make_engine
-from tests.harness.services import PrivateRedis
 from webapp import batch_api, create_app
-from webapp.errors import NATIVE, OPENAI, shape_for
+from webapp.errors import NATIVE, OPENAI, STATUSES, shape_for, status_of
 from webapp.services import services
 
 SECRET = "a detail only the server log may hold"
@@ -60,11 +64,11 @@ def clean(response: Any, status: int, *, openai: bool) -> dict[str, Any]:
 
 # -- the families, pure ---------------------------------------------------------------------------------------
 def test_every_route_of_the_app_is_in_the_family_its_blueprint_answers_in(app: Flask) -> None:
-    """The OpenAI and Batch API blueprints' routes are OpenAI's by path, every other route native: an error found
-    before (or without) a blueprint is written as the blueprint would have."""
+    """The OpenAI, Batch API, Responses and vLLM-adapter blueprints' routes are OpenAI's by path, every other route
+    native: an error found before (or without) a blueprint is written as the blueprint would have."""
     for rule in app.url_map.iter_rules():
         path = rule.rule.replace("<", "").replace(">", "")
-        openai = rule.endpoint.split(".")[0] in ("openai", "batch")
+        openai = rule.endpoint.split(".")[0] in ("openai", "batch", "responses", "lora_adapters")
         assert shape_for(path) is (OPENAI if openai else NATIVE), rule.rule
         assert shape_for(path + "/unknown") is shape_for(path), rule.rule
 
@@ -81,7 +85,7 @@ def test_shape_for_a_path(path: str, openai: bool) -> None:
 # -- routing's 404 and 405 --------------------------------------------------------------------------------------
 @pytest.mark.parametrize(("method", "path", "status"), [
     ("GET", "/v1/batches/nope", 404), ("GET", "/v1/batches/nope/extra", 404), ("GET", "/v1/files/a/b/c", 404),
-    ("GET", "/v1/models/sim/more", 404), ("POST", "/v1/responses", 404), ("DELETE", "/v1/chat/completions", 405),
+    ("GET", "/v1/models/sim/more", 404), ("POST", "/v1/audio/speech", 404), ("DELETE", "/v1/chat/completions", 405),
     ("GET", "/v1/completions", 405), ("PUT", "/v1/models", 405), ("PATCH", "/v1/batches", 405),
     ("DELETE", "/v1/embeddings", 405),
 ])
@@ -117,7 +121,7 @@ def _boom(*args: object, **kwargs: object) -> Any:
 def test_an_unexpected_exception_is_a_500_in_its_familys_shape_without_its_details(
         app: Flask, client: FlaskClient, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(services(app).gateway, "live_workers", _boom)
-    monkeypatch.setattr(services(app).gateway, "ping", _boom)
+    monkeypatch.setattr(readiness, "ping", _boom)
     monkeypatch.setattr(batch_api, "_stores", _boom)
     for path in ("/v1/models", "/v1/files", "/v1/batches/batch_x"):
         error = clean(client.get(path), 500, openai=True)
@@ -149,3 +153,52 @@ def test_admin_routes_answer_503_while_redis_is_away(tmp_path: Path, private_red
     for path in ("/v1/admin/tenants", "/v1/admin/stats"):
         error = clean(client.get(path, headers=headers), 503, openai=False)
         assert error["type"] == "unavailable" and "Redis is unreachable" in error["message"]
+
+
+# What each error class said of itself before errors were types: the table must answer the same.
+STATUS_BEFORE = {"invalid_request": 400, "context_length_exceeded": 400, "unauthorized": 401, "forbidden": 403,
+                 "quota_exceeded": 403, "not_found": 404, "model_not_found": 404, "idempotency_conflict": 409,
+                 "idempotency_in_progress": 409, "not_resumable": 409, "record_unreadable": 409,
+                 "payload_too_large": 413, "poison_input": 422, "queue_full": 429, "tenant_over_limit": 429,
+                 "overloaded": 429, "internal_error": 500, "inference_failed": 500, "unavailable": 503,
+                 "retries_exhausted": 503, "deadline_exceeded": 504, "insufficient_storage": 507}
+# ... and of the types added since
+STATUS_SINCE = {"adapter_conflict": 409, "adapter_limit": 403}
+
+
+def test_every_error_type_has_its_status_in_the_one_table() -> None:
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, BatchingError)]
+    assert len({c.type for c in classes}) == len(classes), "one class per type"
+    assert {c.type for c in classes} == set(errors.TYPES) == set(STATUSES)
+    assert STATUSES == STATUS_BEFORE | STATUS_SINCE
+    assert not [c for c in classes if "status" in vars(c)], "domain errors carry no HTTP status"
+    assert status_of("a newer version's type") == 500
+
+
+def test_every_error_class_lives_in_tasks_errors(app: Flask) -> None:
+    """The app (and so every blueprint, and the jobs' line runner) imported: no error class is defined elsewhere."""
+    import webapp.jobs  # noqa: F401  (the one error-raising module the app does not import)
+
+    def subclasses(cls: type[BatchingError]) -> list[type[BatchingError]]:
+        return [cls, *(s for direct in cls.__subclasses__() for s in subclasses(direct))]
+
+    assert {c.__module__ for c in subclasses(BatchingError)} == {"tasks.errors"}
+
+
+def test_a_replayed_error_is_its_types_class_with_its_first_calls_id() -> None:
+    error = errors.error_of_type("tenant_over_limit", "over", replay_of="first")
+    assert type(error) is errors.TenantOverLimit and error.message == "over" and error.replay_of == "first"
+    unknown = errors.error_of_type("a newer version's type", "why")
+    assert type(unknown) is BatchingError and unknown.type == "internal_error" and unknown.message == "why"
+
+
+def test_revoking_an_unknown_key_is_a_404_and_a_lost_table_a_503_in_each_familys_shape(app: Flask,
+                                                                                      client: FlaskClient) -> None:
+    headers = admin_headers(app)
+    error = clean(client.delete("/v1/admin/keys/k-none", headers=headers), 404, openai=False)
+    assert (error["type"], error["message"]) == ("not_found", "no active key with id 'k-none'")
+    with services(app).keys.engine.begin() as conn:
+        conn.exec_driver_sql("DROP TABLE batch_jobs")
+    error = clean(client.get("/v1/batches", headers=headers), 503, openai=True)
+    assert error == {"message": "the database is unreachable: OperationalError", "type": "service_unavailable",
+                     "param": None, "code": "unavailable"}

@@ -203,6 +203,7 @@ def test_choosing_costs_no_more_with_expensive_items() -> None:
 def test_black_box_items_stay_item_fair() -> None:
     """An item without a token count (embeddings, sim) costs one unit: batch slots are shared, as before."""
     from tasks.policy.tokens import cost
+    from tasks.schema import NO_PARAMS, SamplingParams
 
-    assert cost("a sentence to embed", {}) == 1.0
-    assert cost("x" * 400, {"max_tokens": 16}) == 100 + 16
+    assert cost("a sentence to embed", NO_PARAMS) == 1.0
+    assert cost("x" * 400, SamplingParams(max_tokens=16)) == 100 + 16

@@ -1,7 +1,7 @@
 """Fault injection under steady load: every process type killed (SIGKILL) or stopped (SIGTERM) mid-flight.
 
 The real system (gunicorn with 2 processes, the batcher, 2 sim workers under their supervisors) runs at a
-steady open-loop load (tests/harness/loadgen.py) while one process is signalled. Each test then checks the
+steady open-loop load (harness/loadgen.py) while one process is signalled. Each test then checks the
 design's invariants (docs/design.md, "Failure behaviour") as a caller sees them:
 
 - every request gets exactly one answer: its own output (200) or a clear JSON error; nobody waits past
@@ -28,9 +28,9 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness.helpers import assert_json_error, expected, post
-from tests.harness.loadgen import LoadReport, SteadyLoad, carry_on, warm
-from tests.harness.stack import Stack, alive, running_stack, wait_for
+from harness.helpers import assert_json_error, expected, post
+from harness.loadgen import LoadReport, SteadyLoad, carry_on, warm
+from harness.stack import Stack, alive, running_stack, wait_for
 
 pytestmark = pytest.mark.fault
 

@@ -11,10 +11,11 @@ import pytest
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from tasks.errors import PayloadTooLarge
-from tasks.store.files import FileStore, QuotaExceeded
+from tasks.errors import PayloadTooLarge, QuotaExceeded
+from tasks.store.files import FileStore
 from tasks.store.models import Base, FileRecord, make_engine
 from tests.fakes import FakeClock
+from webapp.errors import status_of
 
 
 @pytest.fixture
@@ -41,7 +42,8 @@ def test_a_tenant_holds_at_most_its_quota_of_files_and_bytes(store: FileStore) -
     first, second = save(store, "a", 400), save(store, "a", 400)
     with pytest.raises(QuotaExceeded, match="LLMB_FILES_TENANT_MAX_BYTES") as over:
         save(store, "a", 300)  # 1,100 bytes: over as it arrives
-    assert over.value.status == 403 and "800 bytes" in over.value.message and "DELETE /v1/files" in over.value.message
+    message = over.value.message
+    assert status_of(over.value.type) == 403 and "800 bytes" in message and "DELETE /v1/files" in message
     assert names(store) == {first, second}, "nothing of the refused upload is left"
     third = save(store, "a", 200)
     with pytest.raises(QuotaExceeded, match="LLMB_FILES_TENANT_MAX_COUNT"):

@@ -19,10 +19,10 @@ import requests
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.helpers import assert_json_error, decoded, expected, post
+from harness.stack import Stack, running_stack, wait_for
 from tasks.store.models import BatchRecord, QuarantineRecord, RequestRecord, make_engine
 from tests.fakes import FakeClock
-from tests.harness.helpers import assert_json_error, decoded, expected, post
-from tests.harness.stack import Stack, running_stack, wait_for
 
 RAISE, KILL = "__raise_here__", "__kill_here__"
 

@@ -26,21 +26,22 @@ import requests
 from flask import Flask
 from flask.testing import FlaskClient
 
+from harness.helpers import assert_json_error, expected, post
+from harness.stack import ROOT, Stack, running_stack, wait_for
 from tasks.config import Settings
 from tasks.errors import InvalidInput, Overloaded, QueueFull, Unavailable
+from tasks.gateway.admission_queue import ROOM_ADMITS_PER_S
 from tasks.gateway.calls import Call
-from tasks.gateway.gateway import ROOM_ADMITS_PER_S
 from tasks.policy.capacity import deadline_cap, left_after
-from tasks.policy.refusal import FULL_HOLD_S
+from tasks.policy.refusal import FULL_HOLD_S, AdmissionVerdict
 from tasks.policy.room import Placed
 from tasks.schema import Priority, WorkerInfo
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
 from tests.fakes import FakeClock
-from tests.harness.helpers import assert_json_error, expected, post
-from tests.harness.stack import ROOT, Stack, running_stack, wait_for
 from webapp import create_app
 from webapp.body import parse_json
+from webapp.errors import status_of
 from webapp.services import services
 
 DEEP_OBJECT = b'{"input": ' + b"[" * 5000 + b"]" * 5000 + b"}"
@@ -210,38 +211,38 @@ def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: 
 def test_a_full_verdict_is_held_for_a_moment_for_the_calls_of_its_model_and_class(app: Flask) -> None:
     """After Redis says a model is full, its calls of that class are refused from memory (and at accept) for
     FULL_HOLD_S, with the verdict's own Retry-After."""
-    gateway = services(app).gateway
+    queue = services(app).queue
     full = QueueFull("the service is full", retry_after_s=2)
-    gateway._full["sim", Priority.INTERACTIVE] = (time.monotonic() + FULL_HOLD_S, full)
-    held = gateway.held_full("sim", Priority.INTERACTIVE)
-    assert gateway.holds_full() and held is not None and held.retry_after_s == 2
-    assert gateway.held_full("sim", Priority.OFFLINE) is None
-    assert gateway.held_full("other", Priority.INTERACTIVE) is None
-    gateway._full["sim", Priority.INTERACTIVE] = (time.monotonic() - 0.001, full)
-    assert not gateway.holds_full() and gateway.held_full("sim", Priority.INTERACTIVE) is None
+    queue.full.hold("sim", Priority.INTERACTIVE, full, time.monotonic())
+    held = queue.held_full("sim", Priority.INTERACTIVE)
+    assert queue.holds_full() and held is not None and held.retry_after_s == 2
+    assert queue.held_full("sim", Priority.OFFLINE) is None
+    assert queue.held_full("other", Priority.INTERACTIVE) is None
+    queue.full.hold("sim", Priority.INTERACTIVE, full, time.monotonic() - FULL_HOLD_S - 0.001)
+    assert not queue.holds_full() and queue.held_full("sim", Priority.INTERACTIVE) is None
 
 
 def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(tmp_path: Path) -> None:
-    """The gateway's view of a line (Gateway.place): calls arriving at once are let in, counted for each of the
-    two API processes sharing the load, while the fleet could answer them within their time left at their turn
-    (the line shorter by then by what the fleet answers meanwhile);
-    the next is refused with the admission script's own refusal. A verdict puts the model's real count in."""
+    """The process's view of a model's admission queue (AdmissionQueue.place): calls arriving at once are let in,
+    counted for each of the two API processes sharing the load, while the fleet could answer them within their
+    time left at their turn (the line shorter by then by what the fleet answers meanwhile); the next is refused
+    with the admission script's own refusal. A verdict puts the model's real count in."""
     database_url = f"sqlite:///{tmp_path / 'keys.db'}"
     Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
     app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
                                                   "database_url": database_url, "web_workers": 2}))
-    gateway = services(app).gateway
-    assert gateway.place("sim", Priority.INTERACTIVE, 5.0) is Placed.UNKNOWN  # no live worker known: the usual way
+    queue = services(app).queue
+    assert queue.place("sim", Priority.INTERACTIVE, 5.0) is Placed.UNKNOWN  # no live worker known: the usual way
     workers = [WorkerInfo(id="gpu0@h", queue="q", model="sim", max_batch=100, state="idle", outstanding=0,
                           completed=1, batch_started_at=None, batch_ms_estimate=250.0, heartbeat_at=time.time())]
-    gateway.workers.last = workers  # one 400/s worker, as the cached view has it
-    placed = [gateway.place("sim", Priority.INTERACTIVE, 5.0) for _ in range(2000)]
+    queue.workers.last = workers  # one 400/s worker, as the cached view has it
+    placed = [queue.place("sim", Priority.INTERACTIVE, 5.0) for _ in range(2000)]
     let_in = placed.count(Placed.IN_LINE)
     assert placed[:let_in] == [Placed.IN_LINE] * let_in  # in arrival order
     refused = placed[let_in]
     assert isinstance(refused, QueueFull) and refused.type == "queue_full" and (refused.retry_after_s or 0) >= 1
 
-    cap, share = gateway.settings.admission.cap, gateway.settings.admission.queue_share
+    cap, share = queue.settings.admission.cap, queue.settings.admission.queue_share
 
     def fits(n: int) -> bool:  # the n-th call: 2n ahead (both processes), less what the worker answers by its turn
         turn_s = n / ROOM_ADMITS_PER_S
@@ -251,19 +252,19 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
     if_none_answered = next(n for n in range(2000)
                             if 2 * n + 1 > deadline_cap(workers, 5.0 - n / ROOM_ADMITS_PER_S, cap, share))
     assert let_in > 1.2 * if_none_answered  # the worker answers some before the last one's turn
-    assert gateway.place("sim", Priority.OFFLINE, 5.0) is Placed.IN_LINE  # another class: another line
-    shorter = [gateway.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
+    assert queue.place("sim", Priority.OFFLINE, 5.0) is Placed.IN_LINE  # another class: another line
+    shorter = [queue.place("sim", Priority.OFFLINE, 1.5) for _ in range(2000)].count(Placed.IN_LINE)
     assert 0 < shorter < let_in  # less time, less room
-    gateway.room.decided(("sim", Priority.INTERACTIVE), 0, 400.0)  # a verdict: the model holds nothing after all
-    gateway.room.ended(("sim", Priority.INTERACTIVE))  # and that call is through admission
-    assert gateway.room.place(("sim", Priority.INTERACTIVE)) == 2 * (let_in - 1)
+    queue.room.decided(("sim", Priority.INTERACTIVE), 0, 400.0)  # a verdict: the model holds nothing after all
+    queue.room.ended(("sim", Priority.INTERACTIVE))  # and that call is through admission
+    assert queue.room.place(("sim", Priority.INTERACTIVE)) == 2 * (let_in - 1)
 
     # a call whose turn would come past the door's bound (from its arrival) is refused as the door would then
-    turn_s = gateway.room.waiting() / ROOM_ADMITS_PER_S  # every call let in goes first; the pace is not measured yet
-    bound_s = gateway.settings.admission.door_max_delay_s
-    late = gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s + 0.05)
+    turn_s = queue.room.waiting() / ROOM_ADMITS_PER_S  # every call let in goes first; the pace is not measured yet
+    bound_s = queue.settings.admission.door_max_delay_s
+    late = queue.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s + 0.05)
     assert isinstance(late, Overloaded) and late.type == "overloaded" and late.retry_after_s == math.ceil(turn_s)
-    assert gateway.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s - 0.05) is Placed.IN_LINE
+    assert queue.place("sim", Priority.OFFLINE, 60.0, waited_s=bound_s - turn_s - 0.05) is Placed.IN_LINE
 
 
 def test_the_queue_share_sets_how_much_of_a_burst_is_let_in_and_admitted(tmp_path: Path) -> None:
@@ -277,14 +278,77 @@ def test_the_queue_share_sets_how_much_of_a_burst_is_let_in_and_admitted(tmp_pat
         app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
                                                       "database_url": database_url, "web_workers": 2,
                                                       "queue_share": share}))
-        gateway = services(app).gateway
-        gateway.workers.last = workers
-        placed = [gateway.place("sim", Priority.INTERACTIVE, 5.0) for _ in range(2000)]
+        queue = services(app).queue
+        queue.workers.last = workers
+        placed = [queue.place("sim", Priority.INTERACTIVE, 5.0) for _ in range(2000)]
         let_in[share] = placed.count(Placed.IN_LINE)
-        caps[share] = gateway.cap_for("sim", 5.0, workers)  # the cap the admission script is given
-    assert Settings.from_env().admission.queue_share == 0.75  # the default
+        caps[share] = queue.cap_for("sim", 5.0, workers)  # the cap the admission script is given
+    assert Settings.from_env().admission.queue_share == 1.0  # the default: a standing line has its own target
     assert caps == {0.75: deadline_cap(workers, 5.0, 10_000, 0.75), 1.0: deadline_cap(workers, 5.0, 10_000, 1.0)}
     assert let_in[1.0] > let_in[0.75] > 0
+
+
+def standing_queue(tmp_path: Path, **overrides: object) -> tuple[Any, FakeClock, list[WorkerInfo]]:
+    """An API process's admission queue on a fake clock, one idle 400/s worker."""
+    database_url = f"sqlite:///{tmp_path / 'keys.db'}"
+    Base.metadata.create_all(make_engine(database_url), tables=[TenantRecord.__table__, ApiKeyRecord.__table__])  # type: ignore[list-item]
+    clock = FakeClock()
+    app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
+                                                  "database_url": database_url, "web_workers": 2, **overrides}))
+    queue = services(app).queue
+    queue.clock = queue.room.clock = queue.standing.clock = clock
+    workers = [WorkerInfo(id="gpu0@h", queue="q", model="sim", max_batch=100, state="idle", outstanding=0,
+                          completed=1, batch_started_at=None, batch_ms_estimate=250.0, heartbeat_at=time.time())]
+    queue.workers.last = workers
+    return queue, clock, workers
+
+
+def stand(queue: Any, clock: FakeClock) -> None:
+    """The line fills and does not empty for the interval: it stands."""
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1500, None)
+    clock.advance(queue.settings.admission.queue_interval_s + 0.1)
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.FULL, 1500, None)
+
+
+def test_a_standing_line_keeps_the_margin_and_a_burst_fills_the_deadline(tmp_path: Path) -> None:
+    """LLMB_QUEUE_INTERVAL_MS, LLMB_QUEUE_SHARE, LLMB_QUEUE_STANDING_SHARE at their defaults: a model's line that
+    emptied within the interval (a burst into an idle fleet) may fill all the fleet answers before the deadline; one
+    that has not emptied for the interval (a steady overload) keeps the 0.75 margin, at the door and in the cap the
+    admission script is given, until a count says it emptied."""
+    queue, clock, workers = standing_queue(tmp_path)
+    admission = queue.settings.admission
+    assert (admission.queue_share, admission.queue_standing_share, admission.queue_target_s) == (1.0, 0.75, 0.0)
+    burst_cap, standing_cap = (deadline_cap(workers, 5.0, admission.cap, share) for share in (1.0, 0.75))
+    assert standing_cap < burst_cap
+    assert queue.cap_for("sim", 5.0, workers) == burst_cap  # idle: good queue
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1500, None)  # a burst fills the line
+    clock.advance(admission.queue_interval_s - 0.1)
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1500, None)
+    assert queue.cap_for("sim", 5.0, workers) == burst_cap  # not standing yet
+    clock.advance(0.2)
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.FULL, 1500, None)  # never emptied: it stands
+    assert queue.cap_for("sim", 5.0, workers) == standing_cap
+    clock.advance(1500 / 400)  # nothing admitted meanwhile: the line drains, but only a count says it emptied
+    assert queue.cap_for("sim", 5.0, workers) == standing_cap  # (an estimate is no proof: a stalled process's is not)
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1, None)  # a verdict counts 1 item ahead
+    assert queue.cap_for("sim", 5.0, workers) == burst_cap  # emptied: good queue again
+
+
+def test_a_standing_line_is_held_to_the_target_when_one_is_set(tmp_path: Path) -> None:
+    """LLMB_QUEUE_TARGET_MS set: a standing line admits only what the fleet answers in the target (CoDel's), and
+    the door refuses the excess as it arrives; a burst's line is not held to it."""
+    queue, clock, workers = standing_queue(tmp_path, queue_target_ms=1000)
+    admission = queue.settings.admission
+    target_cap = int(400 * admission.queue_target_s)  # what the worker answers in the target delay
+    burst_cap = deadline_cap(workers, 5.0, admission.cap, 1.0)
+    assert 100 < target_cap < burst_cap
+    assert queue.cap_for("sim", 5.0, workers) == burst_cap
+    stand(queue, clock)
+    assert queue.cap_for("sim", 5.0, workers) == target_cap
+    assert queue.cap_for("sim", 0.5, workers) == deadline_cap(workers, 0.5, admission.cap, 0.75)  # never above
+    assert isinstance(queue.place("sim", Priority.INTERACTIVE, 5.0), QueueFull)  # refused at the door as well
+    clock.advance(1500 / 400)
+    assert queue.place("sim", Priority.INTERACTIVE, 5.0) is Placed.IN_LINE  # room under the target: let in
 
 
 def test_a_call_leaves_the_doors_line_once_only_the_brokers_confirm_is_left(tmp_path: Path) -> None:
@@ -306,7 +370,7 @@ def test_a_call_leaves_the_doors_line_once_only_the_brokers_confirm_is_left(tmp_
 
     gateway._publish = confirm_held  # type: ignore[method-assign,assignment]
     gateway._unserved = lambda model: None  # type: ignore[method-assign]  # as if a worker of sim were up
-    gateway.room.let_in(("sim", Priority.INTERACTIVE))  # the door let it in as it arrived
+    services(app).queue.room.let_in(("sim", Priority.INTERACTIVE))  # the door let it in as it arrived
     outcome: list[BaseException] = []
 
     def submit() -> None:
@@ -319,7 +383,7 @@ def test_a_call_leaves_the_doors_line_once_only_the_brokers_confirm_is_left(tmp_
     caller.start()
     try:
         assert confirming.wait(10), "the call was admitted and is being published"
-        assert gateway.room.waiting() == 0, "through admission: it no longer stands in the door's line"
+        assert services(app).queue.room.waiting() == 0, "through admission: it no longer stands in the door's line"
     finally:
         alarm_over.set()
         caller.join(10)
@@ -504,5 +568,5 @@ def test_a_request_the_process_got_to_too_late_is_refused_before_anything_else()
     door.enter(arrived_at=99.5)
     with pytest.raises(Overloaded) as refused:
         door.enter(arrived_at=98.0)
-    assert "2000 ms behind" in refused.value.message and refused.value.status == 429
+    assert "2000 ms behind" in refused.value.message and status_of(refused.value.type) == 429
     assert door.held == 1  # a refusal holds nothing

@@ -9,6 +9,7 @@ from tasks.errors import Overloaded
 from tasks.gateway.gate import Gate
 from tasks.policy.shedding import Door
 from tests.fakes import FakeClock
+from webapp.errors import status_of
 
 
 def wait(gate: Gate, n: int, since: float) -> None:
@@ -34,7 +35,7 @@ def test_a_call_that_waits_too_long_for_its_turn_is_refused() -> None:
     with gate.passage():
         with pytest.raises(Overloaded) as late, gate.passage():
             pass
-        assert late.value.status == 429 and "for its turn" in late.value.message and gate.waiting == 0
+        assert status_of(late.value.type) == 429 and "for its turn" in late.value.message and gate.waiting == 0
     with gate.passage():  # the slot is free again
         pass
 
@@ -105,3 +106,18 @@ def test_a_light_tenant_passes_beside_a_floods_full_slots() -> None:
         with pytest.raises(Overloaded), gate.passage("a"):  # a is the flood: refused after max_wait_s
             pass
 
+
+
+def test_a_flood_of_calls_refused_or_through_leaves_nothing_in_the_gate() -> None:
+    """The gate keeps one entry per call waiting now, none per model or caller name (its count of recent callers
+    is :mod:`tasks.policy.callers`'s, bounded there): a flood refused for want of a turn leaves it empty."""
+    clock = FakeClock(start=100.0)
+    gate = Gate(slots=1, max_wait_s=0.0, clock=clock)
+    with gate.passage():  # the one slot taken: every other call is refused at once
+        for _ in range(2_000):
+            with pytest.raises(Overloaded), gate.passage():
+                pass
+    for _ in range(2_000):
+        with gate.passage():
+            clock.advance(0.0001)
+    assert gate.waiting == 0 and gate._since == {}

@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 from gpu_worker.backends.generation import Row, StopText, completion, cut_at_stop
+from tasks.schema import SamplingParams
 
 
 def stream(rule: StopText, *texts: str) -> list[str]:
@@ -64,9 +65,9 @@ def test_half_characters_are_held_back_until_they_are_whole() -> None:
 
 
 def test_rows_take_the_same_defaults_as_the_api() -> None:
-    assert Row.from_params(3, [1, 2], {}) == Row(3, [1, 2], 16, [])
-    assert Row.from_params(0, [1], {"max_tokens": 5, "stop": "x"}) == Row(0, [1], 5, ["x"])
-    assert Row.from_params(0, [1], {"stop": None}).stop == []
+    assert Row.from_params(3, [1, 2], SamplingParams.from_dict({})) == Row(3, [1, 2], 16, [])
+    assert Row.from_params(0, [1], SamplingParams.from_dict({"max_tokens": 5, "stop": "x"})) == Row(0, [1], 5, ["x"])
+    assert Row.from_params(0, [1], SamplingParams.from_dict({"stop": None})).stop == []
 
 
 class CharTokenizer:
@@ -82,9 +83,9 @@ class CharTokenizer:
 def test_a_completion_is_cut_at_its_stop_and_counts_what_is_sent() -> None:
     tokens = [ord(c) for c in "yes. no"]
     answer = completion(CharTokenizer(), Row(0, [1, 2, 3], 10, ["."]), tokens, "length")
-    assert answer == {"text": "yes", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 3}
+    assert answer.to_dict() == {"text": "yes", "finish_reason": "stop", "prompt_tokens": 3, "completion_tokens": 3}
     plain = completion(CharTokenizer(), Row(0, [1], 10, []), tokens, "length")
-    assert plain["text"] == "yes. no" and plain["finish_reason"] == "length" and plain["completion_tokens"] == 7
+    assert plain.text == "yes. no" and plain.finish_reason == "length" and plain.completion_tokens == 7
 
 
 def test_the_module_imports_neither_torch_nor_transformers() -> None:

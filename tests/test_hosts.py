@@ -1,10 +1,10 @@
-"""The system as separate hosts (network namespaces, tests/harness/netns/), and cables pulled under load.
+"""The system as separate hosts (network namespaces, harness/netns/), and cables pulled under load.
 
 One harness per module (RabbitMQ in a namespace takes ~8 s to start): svc (RabbitMQ + Redis), api, api2,
 batcher1, batcher2, gpu1, gpu2, each a namespace of its own on one bridge, the load sent from a client host.
 Each test starts from the whole system (links up, every process running and serving) and checks, as callers
 see it: nothing lost, nothing answered twice or with someone else's output, nobody waiting past deadline + 1 s
-(tests/harness/loadgen.py), except where a scenario says which callers may lose their connection.
+(harness/loadgen.py), except where a scenario says which callers may lose their connection.
 
 Product settings are the shipped defaults (heartbeats every 1 s, stale after 3 s; AMQP heartbeat
 LLMB_BROKER_HEARTBEAT_S 2 s; API lease 5 s), with 300 ms sim batches. Run with ``-s`` to see the measurements.
@@ -17,9 +17,9 @@ from typing import TypedDict
 
 import pytest
 
-from tests.harness.loadgen import LATE_SLACK_S, LoadReport
-from tests.harness.netns.hosts import Hosts, unavailable
-from tests.harness.netns.scenarios import ApiCut, api_cut, batcher_cut, fairness, gpu_cut, outcome_counts
+from harness.loadgen import LATE_SLACK_S, LoadReport
+from harness.netns.hosts import Hosts, unavailable
+from harness.netns.scenarios import ApiCut, api_cut, batcher_cut, fairness, gpu_cut, outcome_counts
 
 pytestmark = pytest.mark.fault
 
@@ -65,7 +65,7 @@ def _s(seconds: float | None) -> str:
 
 
 def released(h: Hosts, within_s: float = 5.0) -> None:
-    from tests.harness.stack import wait_for
+    from harness.stack import wait_for
 
     try:
         wait_for(lambda: h.inflight() == 0, within_s, "the admission set to empty")
@@ -132,7 +132,7 @@ def _cut_callers_sound(report: LoadReport, timeout_ms: int) -> None:
 def _no_leak(r: ApiCut) -> None:
     """Nothing left admitted once every caller was answered. (A call whose admission reached Redis only when the
     cable was back, after its caller had been answered 503, used to be admitted and held until its deadline;
-    the admission script now refuses a call that arrives later than its caller waits: Verdict.LATE.)"""
+    the admission script now refuses a call that arrives later than its caller waits: AdmissionVerdict.LATE.)"""
     items = ", ".join(f"{i[:8]} ({left:g} s to its deadline, owner {(o or '-')[:8]})" for i, left, o in r.leftover)
     assert not r.inflight_after, f"{r.inflight_after} item(s) still admitted after every caller was answered: {items}"
 
@@ -182,7 +182,7 @@ def test_fairness_and_outstanding_batches_with_one_and_two_batchers(h: Hosts) ->
     """A steady tenant (10 req/s) beside another's flood (100 calls x 40 items at 25 calls/s: 1,000 items/s
     against ~660/s of capacity), once with one batcher and once with two (one active). Measured: the steady
     tenant's p50/p99 during the flood, and the most batches ever outstanding on one worker."""
-    from tests.harness.stack import wait_for
+    from harness.stack import wait_for
 
     standby = next(b for b in h.batcher_hosts if b != h.active_batcher())
     h.signal(standby)

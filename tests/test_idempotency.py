@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness.helpers import assert_json_error, decoded, expected, post
-from tests.harness.stack import Stack, wait_for
+from harness.helpers import assert_json_error, decoded, expected, post
+from harness.stack import Stack, wait_for
 
 openai = pytest.importorskip("openai", reason="bin/test installs the 'models' extra (with openai) these tests need")
 
@@ -307,10 +307,10 @@ def test_a_claim_whose_process_died_before_publishing_is_taken_over_at_once() ->
     the publish, before the confirm's mark) or published, or one whose process lives, is waited on."""
     import redis as redis_lib
 
+    from harness.stack import REDIS_URL
     from tasks.state.keys import Keys
     from tasks.state.records import Idempotency, Record
     from tasks.state.requests import Requests
-    from tests.harness.stack import REDIS_URL
 
     client = redis_lib.Redis.from_url(REDIS_URL)
     keys = Keys(f"idem-unit-{uuid.uuid4().hex[:8]}")

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from sqlalchemy.orm import Session
 
+from harness.stack import wait_for
 from tasks.config import Settings
 from tasks.jobs.feeder import Feeder
 from tasks.jobs.job_run import JobRun, LineResult
@@ -24,7 +25,6 @@ from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
 from tasks.store.models import Base, FileRecord, make_engine
 from tests.fakes import FakeClock
-from tests.harness.stack import wait_for
 
 SETTINGS = Settings.of(jobs_poll_s=0.02, jobs_lease_s=1.0, jobs_initial_in_flight=4, jobs_max_in_flight=50)
 
@@ -230,7 +230,7 @@ def test_validation_memory_does_not_grow_with_the_file(stores: tuple[JobStore, F
     job = jobs.create("t", "/v1/infer", info.id, "24h", None, time.time())
     f = feeder(stores, Runner())
     assert jobs.claim(job.id, f.owner, time.time(), 60)
-    run = JobRun(f, job.id)
+    run = JobRun(f.context, job.id)
     tracemalloc.start()
     try:
         started = run._validate(job)

@@ -27,11 +27,11 @@ from tasks.policy.batchfile import (
 )
 from tasks.policy.feeding import (
     MAX_LINE_ATTEMPTS,
+    Disposition,
     FeedControl,
-    Verdict,
+    disposition,
     gives_up,
     pick_jobs,
-    verdict,
 )
 from tests.fakes import FakeClock
 
@@ -108,18 +108,18 @@ def test_outages_back_off_exponentially_and_an_answer_resets_the_backoff() -> No
 
 
 def test_what_an_answer_means_for_its_line() -> None:
-    assert verdict(200, None) is Verdict.FINAL
-    for status, kind in ((400, "invalid_request"), (422, "poison_input"), (403, "forbidden"),
-                         (503, "retries_exhausted"), (500, "inference_failed")):
-        assert verdict(status, kind) is Verdict.FINAL, kind  # the line's own fault: to the error file
+    assert disposition(None) is Disposition.FINAL
+    for kind in ("invalid_request", "poison_input", "forbidden", "retries_exhausted", "inference_failed"):
+        assert disposition(kind) is Disposition.FINAL, kind  # the line's own fault: to the error file
     for kind in ("queue_full", "tenant_over_limit", "overloaded"):
-        assert verdict(429, kind) is Verdict.REFUSED
-    assert verdict(503, "unavailable") is Verdict.UNAVAILABLE
-    assert verdict(504, "deadline_exceeded") is Verdict.RETRY
-    assert verdict(404, "model_not_found") is Verdict.RETRY
-    assert not gives_up(Verdict.REFUSED, 10_000) and not gives_up(Verdict.UNAVAILABLE, 10_000)
-    assert not gives_up(Verdict.RETRY, MAX_LINE_ATTEMPTS - 1) and gives_up(Verdict.RETRY, MAX_LINE_ATTEMPTS)
-    assert gives_up(Verdict.FINAL, 1)
+        assert disposition(kind) is Disposition.REFUSED
+    assert disposition("unavailable") is Disposition.UNAVAILABLE
+    assert disposition("deadline_exceeded") is Disposition.RETRY
+    assert disposition("model_not_found") is Disposition.RETRY
+    assert disposition("internal_error") is Disposition.RETRY
+    assert not gives_up(Disposition.REFUSED, 10_000) and not gives_up(Disposition.UNAVAILABLE, 10_000)
+    assert not gives_up(Disposition.RETRY, MAX_LINE_ATTEMPTS - 1) and gives_up(Disposition.RETRY, MAX_LINE_ATTEMPTS)
+    assert gives_up(Disposition.FINAL, 1)
 
 
 def _line(custom_id: object, url: str = "/v1/infer", method: str = "POST", body: object = None) -> bytes:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness.stack import Stack, running_stack, wait_for
+from harness.stack import Stack, running_stack, wait_for
 
 KV_TOKENS, CONTEXT = 2048, 512
 

@@ -29,7 +29,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("tasks", "webapp", "gpu_worker")
-VOCABULARY = ("tasks.config", "tasks.errors", "tasks.schema", "tasks.logs", "tasks.heap", "tasks.tracing")
+VOCABULARY = ("tasks.config", "tasks.config_sections", "tasks.errors", "tasks.schema", "tasks.logs", "tasks.heap",
+              "tasks.tracing")
 LAYERS = ("policy", "state", "store", "jobs", "broker", "gateway", "cli")  # the sub-packages of tasks
 HEAVY = ("redis", "kombu", "celery", "sqlalchemy", "flask", "amqp", "torch", "transformers", "prometheus_client")
 
@@ -180,3 +181,26 @@ def test_the_checker_sees_relative_and_lazy_imports() -> None:
     assert isinstance(nodes[2], ast.Import) and nodes[2].names[0].name == "tasks.store.ledger"
     assert layer("tasks.store.ledger") == "store" and layer("tasks.schema") == "vocabulary"
     assert layer("redis") == "outside" and layer("tasks.newpart.x") == "unknown:tasks.newpart"
+
+
+def _outside_imports(folder: str) -> list[tuple[str, str]]:
+    """(file:line, top-level package imported) for every absolute import of the .py files under ``folder``."""
+    found = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [(f"{path.relative_to(ROOT)}:{node.lineno}", n.split(".")[0]) for n in names]
+    return found
+
+
+@pytest.mark.parametrize(("folder", "forbidden"), [("harness", {"tests", "bench"}), ("bench", {"tests"})])
+def test_the_harness_is_shared_and_the_benchmarks_never_import_the_tests(folder: str, forbidden: set[str]) -> None:
+    """tests/ and bench/ both run on harness/, which imports neither; bench/ never imports tests/."""
+    found = [where for where, top in _outside_imports(folder) if top in forbidden]
+    assert len(_outside_imports(folder)) > 20, f"the imports of {folder}/ are found"
+    assert not found, f"{folder}/ imports {sorted(forbidden)}:\n" + "\n".join(found)

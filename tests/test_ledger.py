@@ -9,6 +9,7 @@ from sqlalchemy import inspect, select
 from sqlalchemy.exc import DataError, IntegrityError, OperationalError, ProgrammingError, StatementError
 from sqlalchemy.orm import Session
 
+from harness.stack import BIN, ROOT
 from tasks.schema import Batch, BatchItem
 from tasks.store.ledger import (
     BatchOutcome,
@@ -28,7 +29,6 @@ from tasks.store.models import (
     make_engine,
     storable,
 )
-from tests.harness.stack import BIN, ROOT
 
 TABLES = {"requests", "batches", "batch_requests", "quarantined_inputs", "tenants", "api_keys"}
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 import requests
 
-from tests.harness.helpers import expected, post
-from tests.harness.stack import Stack, running_stack
+from harness.helpers import expected, post
+from harness.stack import Stack, running_stack
 
 
 @pytest.fixture(scope="module")

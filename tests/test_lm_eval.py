@@ -30,9 +30,9 @@ import pytest
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.models import build_tiny_llama
+from harness.stack import Stack, running_stack, wait_for
 from tasks.store.models import RequestRecord, make_engine
-from tests.harness.models import build_tiny_llama
-from tests.harness.stack import Stack, running_stack, wait_for
 
 for _offline in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
     os.environ[_offline] = "1"  # before datasets and transformers are imported (they read these at import)

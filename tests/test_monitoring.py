@@ -16,7 +16,7 @@ import pytest
 import requests
 import yaml
 
-from tests.harness.stack import Stack, free_port, running_stack, wait_for
+from harness.stack import Stack, free_port, running_stack, wait_for
 
 ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "prometheus" / "llmb-rules.yml"

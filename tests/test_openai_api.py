@@ -21,9 +21,11 @@ else:
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.models import build_tiny_llama
+from harness.stack import Stack, running_stack, wait_for
+from tasks.schema import SamplingParams
 from tasks.store.models import RequestRecord, make_engine
-from tests.harness.models import build_tiny_llama
-from tests.harness.stack import Stack, running_stack, wait_for
+from tests.outputs import generated
 
 if TYPE_CHECKING:
     from openai.types.chat import ChatCompletionMessageParam
@@ -165,8 +167,8 @@ def test_errors_come_back_in_openai_shape(client: openai.OpenAI, models_stack: S
     from sqlalchemy import select
     from sqlalchemy.orm import Session
 
+    from harness.stack import wait_for
     from tasks.store.models import RequestRecord, make_engine
-    from tests.harness.stack import wait_for
 
     with Session(make_engine(models_stack.database_url)) as s:  # the ledger says why it was not answered
         wait_for(lambda: s.scalars(select(RequestRecord).where(RequestRecord.status == "rejected")).first(),
@@ -228,13 +230,13 @@ def test_a_client_that_leaves_mid_stream_cancels_its_generation(models_stack: St
 
 
 def test_a_cancelled_row_stops_while_the_rest_of_its_batch_goes_on(tmp_path: Path) -> None:
-    from gpu_worker.backends import Hooks
     from gpu_worker.backends.hf_causal import HFCausalBackend
+    from gpu_worker.backends.interface import Hooks
 
     backend = HFCausalBackend("tiny", str(build_tiny_llama(tmp_path / "m")), "cpu", 8, 64)
-    params = [{"max_tokens": 20, "temperature": 0}] * 2
-    out = backend.run(["the cat", "the mat"], params, Hooks(cancelled=lambda position: position == 0))
-    assert out[0]["completion_tokens"] <= 1 < out[1]["completion_tokens"]
+    params = [SamplingParams(max_tokens=20, temperature=0)] * 2
+    out = generated(backend.run(["the cat", "the mat"], params, Hooks(cancelled=lambda position: position == 0)))
+    assert out[0].completion_tokens <= 1 < out[1].completion_tokens
 
 
 def test_workers_and_stats_report_tokens_utilisation_and_cost(models_stack: Stack, client: openai.OpenAI) -> None:
@@ -281,10 +283,10 @@ def test_continuous_batching_gives_the_same_greedy_text_as_padded_generate(tmp_p
 
 
 def _compare(static: Any, continuous: Any) -> None:
-    from gpu_worker.backends import Hooks
+    from gpu_worker.backends.interface import Hooks
 
     prompts = [f"the batch {i} is red" for i in range(12)]
-    params = [{"max_tokens": 4 + 5 * (i % 4), "temperature": 0} for i in range(12)]  # mixed lengths
+    params = [SamplingParams(max_tokens=4 + 5 * (i % 4), temperature=0) for i in range(12)]  # mixed lengths
     assert continuous.run(prompts, params) == static.run(prompts, params)
     streamed: dict[int, str] = {}
 
@@ -292,9 +294,51 @@ def _compare(static: Any, continuous: Any) -> None:
         for p, t in deltas:
             streamed[p] = streamed.get(p, "") + t
 
-    out = continuous.run(prompts[:2], params[:2], Hooks(streaming={0, 1}, stream=stream))
+    out = generated(continuous.run(prompts[:2], params[:2], Hooks(streaming={0, 1}, stream=stream)))
     for position, o in enumerate(out):  # the API sends whatever the stream held back with the final chunk
-        assert streamed.get(position) and o["text"].startswith(streamed[position])
-    cancelled = continuous.run(prompts[:2], [{"max_tokens": 40, "temperature": 0}] * 2,
-                               Hooks(cancelled=lambda position: position == 0))
-    assert cancelled[0]["finish_reason"] == "cancelled" and cancelled[1]["completion_tokens"] > 0
+        assert streamed.get(position) and o.text.startswith(streamed[position])
+    cancelled = generated(continuous.run(prompts[:2], [SamplingParams(max_tokens=40, temperature=0)] * 2,
+                                         Hooks(cancelled=lambda position: position == 0)))
+    assert cancelled[0].finish_reason == "cancelled" and cancelled[1].completion_tokens > 0
+
+
+def test_structured_output_on_hf_causal_parses_beside_free_rows(client: openai.OpenAI) -> None:
+    """The openai client's .parse with a Pydantic model, end to end on the real engine: every constrained answer
+    parses into the model, and free greedy rows in the same batches answer as they do alone."""
+    from typing import Literal
+
+    from pydantic import BaseModel
+
+    class Pick(BaseModel):
+        kind: Literal["cat", "mat"]
+        ok: bool
+
+    def constrained(i: int) -> Any:
+        return client.chat.completions.parse(model=LM, messages=[{"role": "user", "content": f"pick {i}"}],
+                                             response_format=Pick, max_tokens=64, temperature=1.0, seed=i)
+
+    def free(i: int) -> str | None:
+        return client.completions.create(model=LM, prompt=f"the mat {i}", max_tokens=8,
+                                         temperature=0).choices[0].text
+
+    alone = [free(i) for i in range(6)]
+    with ThreadPoolExecutor(max_workers=12) as pool:
+        picks = [pool.submit(constrained, i) for i in range(6)]
+        beside = [pool.submit(free, i) for i in range(6)]
+        answers = [p.result() for p in picks]
+        assert [f.result() for f in beside] == alone
+    for r in answers:
+        choice = r.choices[0]
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Pick), choice
+
+
+
+def test_embeddings_refuse_a_field_they_do_not_honour(client: openai.OpenAI) -> None:
+    """``dimensions`` would ask for a shorter vector than the model gives: a 400 naming it, never ignored; so is
+    a field /v1/embeddings does not know."""
+    for extra, named in (({"dimensions": 8}, "'dimensions'"), ({"dimension": 8}, "'dimension'"),
+                         ({"user": 3}, "'user'")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.embeddings.create(model=EMBED, input="x", extra_body=extra)
+        assert named in refused.value.message, refused.value.message
+    assert len(client.embeddings.create(model=EMBED, input="x", user="u1").data[0].embedding) == 384

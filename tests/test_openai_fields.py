@@ -19,8 +19,10 @@ else:
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.stack import Stack, running_stack, wait_for
+from tasks.schema import SamplingParams
 from tasks.store.models import RequestRecord, make_engine
-from tests.harness.stack import Stack, running_stack, wait_for
+from tests.outputs import generated
 
 LM = "sim-lm"
 TOO_LONG = "the cat sat on the mat " * 1200  # about 7,000 tokens: sim-lm's context is 4,096
@@ -119,12 +121,12 @@ def test_a_prompt_longer_than_the_context_is_a_400_before_any_stream_starts(clie
 def test_each_choice_of_a_seeded_call_has_a_seed_of_its_own() -> None:
     from tasks.policy.batcher import SEED_SPAN, choice_params
 
-    params = {"seed": 10, "n": 3, "max_tokens": 4}
-    assert [choice_params(params, i)["seed"] for i in range(6)] == [10, 11, 12, 10, 11, 12]  # two prompts
+    params = SamplingParams(seed=10, n=3, max_tokens=4)
+    assert [choice_params(params, i).seed for i in range(6)] == [10, 11, 12, 10, 11, 12]  # two prompts
     assert choice_params(params, 3) is params  # each prompt's first choice: as the call asked
-    unseeded = {"seed": None, "n": 3}
+    unseeded = SamplingParams(seed=None, n=3)
     assert all(choice_params(unseeded, i) is unseeded for i in range(3))  # fresh randomness makes them differ
-    assert choice_params({"seed": SEED_SPAN - 1, "n": 2}, 1)["seed"] == 0  # wraps inside torch's seed range
+    assert choice_params(SamplingParams(seed=SEED_SPAN - 1, n=2), 1).seed == 0  # wraps inside torch's seed range
 
 
 def test_n_choices_are_items_of_one_call_reproducible_with_a_seed(client: openai.OpenAI, lm_stack: Stack) -> None:
@@ -294,16 +296,16 @@ def test_hf_causal_logprobs_are_the_models_own(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from gpu_worker.backends.hf_causal import HFCausalBackend
-    from tests.harness.models import build_tiny_llama
+    from harness.models import build_tiny_llama
 
     folder = build_tiny_llama(tmp_path / "m")
     backend = HFCausalBackend("tiny", str(folder), "cpu", 8, 64)
     try:
         prompt = "the cat sat on the mat"
-        greedy, sampled, scored = backend.run([prompt] * 3, [
-            {"max_tokens": 6, "temperature": 0, "logprobs": 3},
-            {"max_tokens": 6, "temperature": 1.0, "seed": 3, "logprobs": 2, "echo": True},
-            {"max_tokens": 0, "echo": True, "logprobs": 1}])
+        greedy, sampled, scored = generated(backend.run([prompt] * 3, [
+            SamplingParams(max_tokens=6, temperature=0, logprobs=3),
+            SamplingParams(max_tokens=6, temperature=1.0, seed=3, logprobs=2, echo=True),
+            SamplingParams(max_tokens=0, echo=True, logprobs=1)]))
         model = transformers.AutoModelForCausalLM.from_pretrained(str(folder)).eval()
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(folder))
         prompt_ids = tokenizer(prompt)["input_ids"]
@@ -329,12 +331,67 @@ def test_hf_causal_logprobs_are_the_models_own(tmp_path: Path) -> None:
                 assert [lp for _, lp in entry["top"]] == pytest.approx(best.values.tolist(), abs=1e-4)
                 assert [tok for tok, _ in entry["top"]] == [tokenizer.decode([k]) for k in best.indices.tolist()]
 
-        check(greedy["logprobs"], prompt_ids + greedy_ids, len(prompt_ids))  # generated, greedy
-        check(scored["prompt_logprobs"], prompt_ids, 0)  # a given text scored (echo, max_tokens 0)
-        check(sampled["prompt_logprobs"], prompt_ids, 0)  # echoed beside a sampled completion
-        assert len(sampled["logprobs"]) == sampled["completion_tokens"] and sampled["prompt"] == prompt
-        assert scored["text"] == "" and scored["prompt"] == prompt and scored["completion_tokens"] == 0
+        check(greedy.logprobs or [], prompt_ids + greedy_ids, len(prompt_ids))  # generated, greedy
+        check(scored.prompt_logprobs or [], prompt_ids, 0)  # a given text scored (echo, max_tokens 0)
+        check(sampled.prompt_logprobs or [], prompt_ids, 0)  # echoed beside a sampled completion
+        assert len(sampled.logprobs or []) == sampled.completion_tokens and sampled.prompt == prompt
+        assert scored.text == "" and scored.prompt == prompt and scored.completion_tokens == 0
         # greedy: each generated token is the likeliest at its position
-        assert all(e["top"][0][1] == pytest.approx(e["logprob"], abs=1e-6) for e in greedy["logprobs"])
+        assert all(e["top"][0][1] == pytest.approx(e["logprob"], abs=1e-6) for e in greedy.logprobs or [])
     finally:
         backend.close()
+
+
+def test_no_field_is_silently_ignored(client: openai.OpenAI) -> None:
+    """An unknown field (sent as the openai client sends any field it does not type: extra_body) and a refused
+    one are a 400 naming them; the fields that carry no behaviour here, and the honoured ones, are accepted."""
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "hello"}]
+    for create, kwargs in ((client.chat.completions.create, {"messages": messages}),
+                           (client.completions.create, {"prompt": "hello"})):
+        with pytest.raises(openai.BadRequestError) as unknown:
+            create(model=LM, max_tokens=4, extra_body={"foo": 1}, **kwargs)
+        assert isinstance(unknown.value.body, dict) and "unknown field 'foo'" in unknown.value.body["message"]
+    for refused in ({"reasoning_effort": "low"}, {"audio": {"voice": "alloy", "format": "wav"}}):
+        with pytest.raises(openai.BadRequestError) as error:
+            client.chat.completions.create(model=LM, messages=messages, max_tokens=4, **refused)
+        assert isinstance(error.value.body, dict), error.value.body
+        assert f"'{next(iter(refused))}' is not supported here" in error.value.body["message"]
+    with pytest.raises(openai.BadRequestError, match="at most 300 token ids"):
+        client.chat.completions.create(model=LM, messages=messages, max_tokens=4,
+                                       logit_bias={str(i): 1 for i in range(301)})
+    answer = client.chat.completions.create(
+        model=LM, messages=messages, max_tokens=6, seed=3, logit_bias={"5": -100, "17": 3}, presence_penalty=0.5,
+        frequency_penalty=-0.5, user="u1", safety_identifier="h1", metadata={"team": "search"}, store=False,
+        prompt_cache_key="user-1")
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.service_tier is None  # none asked
+    completion = client.completions.create(model=LM, prompt="hello", max_tokens=4, presence_penalty=1,
+                                           frequency_penalty=1, logit_bias={"5": 10}, user="u1")
+    assert completion.choices[0].text is not None
+
+
+def test_the_answer_says_its_service_tier_and_usage_its_cached_tokens(client: openai.OpenAI) -> None:
+    messages: list[openai.types.chat.ChatCompletionMessageParam] = [
+        {"role": "system", "content": "you answer briefly " * 60}, {"role": "user", "content": "hello"}]
+    tiers = {tier: client.chat.completions.create(model=LM, messages=messages, max_tokens=4, seed=1,
+                                                  service_tier=tier).service_tier
+             for tier in ("auto", "default", "flex", "priority")}
+    assert tiers == {"auto": "default", "default": "default", "flex": "flex", "priority": "priority"}
+    with pytest.raises(openai.BadRequestError, match="'service_tier' must be"):
+        client.chat.completions.create(model=LM, messages=messages, max_tokens=4, service_tier="scale")
+    for _ in range(2):  # the second call's prompt start is in the worker's prefix cache, if it keeps one
+        answer = client.chat.completions.create(model=LM, messages=messages, max_tokens=4, seed=1)
+    assert answer.usage is not None and answer.usage.prompt_tokens_details is not None
+    cached = answer.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 0 <= cached <= answer.usage.prompt_tokens
+    completion = client.completions.create(model=LM, prompt="hello there", max_tokens=4,
+                                           extra_body={"service_tier": "flex"})  # (not in its request type)
+    assert completion.usage is not None and completion.usage.prompt_tokens_details is not None
+    assert completion.usage.prompt_tokens_details.cached_tokens is not None
+    assert completion.model_extra is not None and completion.model_extra.get("service_tier") == "flex"
+    chunks = list(client.chat.completions.create(model=LM, messages=messages, max_tokens=4, seed=1, stream=True,
+                                                 stream_options={"include_usage": True}, service_tier="auto"))
+    assert {c.service_tier for c in chunks} == {"default"}  # every chunk says it, as OpenAI's do
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens is not None
+    assert 0 <= usage.prompt_tokens_details.cached_tokens <= usage.prompt_tokens

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 import requests
 
+from harness.stack import BIN, ROOT, Stack, running_stack
 from tasks.config import Settings
-from tests.harness.stack import BIN, ROOT, Stack, running_stack
 from webapp import create_app, openapi
 
 FLASK_PARAM = re.compile(r"<(?:[^:<>]+:)?([^<>]+)>")  # <file_id>, <int:n> -> {file_id}, {n}

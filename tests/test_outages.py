@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.harness.helpers import assert_json_error, expected, post
-from tests.harness.services import PrivateRedis
-from tests.harness.stack import Stack, running_stack, wait_for
+from harness.helpers import assert_json_error, expected, post
+from harness.services import PrivateRedis
+from harness.stack import Stack, running_stack, wait_for
 
 
 @pytest.fixture

@@ -18,8 +18,8 @@ import pytest
 import redis
 import requests
 
-from tests.harness.helpers import assert_json_error, expected, post, post_many
-from tests.harness.stack import BIN, REDIS_URL, Stack, running_stack, wait_for
+from harness.helpers import assert_json_error, expected, post, post_many
+from harness.stack import BIN, REDIS_URL, Stack, running_stack, wait_for
 
 BATCH_S = 0.250  # the sim backend's default batch time
 MAX_WAIT_S = 0.020

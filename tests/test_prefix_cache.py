@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.harness.stack import Stack, running_stack, wait_for
+from harness.stack import Stack, running_stack, wait_for
 
 LM = "sim-lm"
 SYSTEM = "You answer questions about the travel policy of a company. " * 60  # about 600 tokens

@@ -1,10 +1,11 @@
 """Prefix-aware routing as pure policy: the keys of a prompt's start, the index of what each worker holds, the
-assignment among the workers able to take a batch, and the batcher using them (fake clock, recorded dispatch)."""
+assignment among the workers able to take a batch, and the batcher using them (fake clock, its decisions taken
+as sent)."""
 from __future__ import annotations
 
 from dataclasses import replace
 
-from tasks.policy.batcher import Batcher
+from tasks.policy.batcher import Batcher, BatcherConfig
 from tasks.policy.flush import FlushPolicy
 from tasks.policy.prefixes import (
     CHUNK_CHARS,
@@ -17,7 +18,8 @@ from tasks.policy.prefixes import (
     assign,
     prefix_keys,
 )
-from tasks.schema import Batch, InferenceRequest, Item, WorkerInfo
+from tasks.policy.scheduler_output import SchedulerOutput
+from tasks.schema import Batch, InferenceRequest, Item, SamplingParams, WorkerInfo
 from tests.fakes import FakeClock
 
 SYSTEM = {t: f"tenant {t} policy: " + "".join(chr(97 + (i * 7 + t) % 26) for i in range(3000)) for t in range(4)}
@@ -87,25 +89,30 @@ def lm_worker(wid: str, prefixes: tuple[str, ...] = (), at: float = 1_000.0) -> 
 
 
 class Fleet:
-    def __init__(self, workers: list[WorkerInfo]) -> None:
+    def __init__(self, workers: list[WorkerInfo], prefix_wait_s: float = 1.0) -> None:
         self.clock = FakeClock(start=1_000.0)
         self.workers = workers
         self.sent: list[tuple[Batch, str]] = []
-        self.batcher = Batcher(FlushPolicy(100, 0.001), lambda b, w: self.sent.append((b, w.id)),
+        self.batcher = Batcher(BatcherConfig(FlushPolicy(100, 0.001), prefix_wait_s=prefix_wait_s),
                                lambda: self.workers, clock=self.clock, wallclock=self.clock)
+
+    def record(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Each batch the batcher decides to send, taken as sent."""
+        self.sent += [(s.batch, s.worker.id) for s in out.sends]
+        return out
 
     def chat(self, rid: str, tenant: int, question: str) -> None:
         now = self.clock.now
-        self.batcher.add(InferenceRequest(id=rid, tenant=f"t{tenant}", model="lm",
-                                          items=(Item(f"{rid}.0", SYSTEM[tenant] + question),),
-                                          accepted_at=now, deadline=now + 30, reply_to="r",
-                                          params={"max_tokens": 16}), lambda: None)
+        self.record(self.batcher.add(InferenceRequest(id=rid, tenant=f"t{tenant}", model="lm",
+                                                      items=(Item(f"{rid}.0", SYSTEM[tenant] + question),),
+                                                      accepted_at=now, deadline=now + 30, reply_to="r",
+                                                      params=SamplingParams(max_tokens=16)), lambda: None))
         self.clock.advance(0.002)
-        self.batcher.poll()
+        self.record(self.batcher.poll())
 
     def finish_all(self) -> None:
-        for batch, wid in self.sent:
-            self.batcher.finished(wid, batch.id)
+        for batch, wid in self.sent:  # a batch sent meanwhile is finished too
+            self.record(self.batcher.finished(wid, batch.id))
 
     def where(self, rid: str) -> str:
         return next(w for b, w in self.sent if any(i.request_id == rid for i in b.items))
@@ -125,7 +132,7 @@ def test_the_batcher_sends_a_tenants_later_calls_where_its_start_is_cached() -> 
     # the workers' reports replace the batcher's own record: a start a worker no longer holds is not routed to
     fleet.clock.advance(SENT_KEPT_S + 1)
     fleet.workers = [replace(w, prefixes=(), heartbeat_at=fleet.clock.now) for w in fleet.workers]
-    fleet.batcher.prefixes = type(fleet.batcher.prefixes)()  # a restarted batcher: it knows only the reports
+    fleet.batcher.router.index = PrefixIndex()  # a restarted batcher: it knows only the reports
     moved = fleet.workers[1].id
     fleet.workers[1] = replace(fleet.workers[1], prefixes=tuple(reversed(prefix_keys(SYSTEM[0]))))
     fleet.chat("after", 0, " one more")
@@ -138,7 +145,7 @@ def test_workers_without_a_prefix_cache_are_routed_as_before() -> None:
     for q in range(6):
         fleet.chat(f"q{q}", 0, f" question {q}")
     assert len({w for _, w in fleet.sent}) == 3  # least backlog spreads them: no affinity
-    assert not fleet.batcher.prefixes.knows("w0")
+    assert not fleet.batcher.router.index.knows("w0")
 
 
 def test_a_tenant_left_for_a_later_batch_is_neither_credited_nor_charged_and_goes_first_next() -> None:
@@ -157,8 +164,7 @@ def test_a_tenant_left_for_a_later_batch_is_neither_credited_nor_charged_and_goe
 
 
 def test_an_item_waits_a_while_for_the_busy_worker_holding_its_start_then_goes_anywhere() -> None:
-    fleet = Fleet([lm_worker("w0"), lm_worker("w1")])
-    fleet.batcher.prefix_wait_s = 0.2
+    fleet = Fleet([lm_worker("w0"), lm_worker("w1")], prefix_wait_s=0.2)
     fleet.chat("a-first", 0, "?")
     fleet.chat("b-first", 1, "?")
     home = {0: fleet.where("a-first"), 1: fleet.where("b-first")}
@@ -173,12 +179,12 @@ def test_an_item_waits_a_while_for_the_busy_worker_holding_its_start_then_goes_a
     fleet.chat("a-waits", 0, " one more")
     assert not any(i.request_id == "a-waits" for b, _ in fleet.sent for i in b.items)  # held for its worker
     done = next(b for b, _ in fleet.sent if any(i.request_id == "a0" for i in b.items))
-    fleet.batcher.finished(home[0], done.id)  # a batch of its worker ends: it goes there
+    fleet.record(fleet.batcher.finished(home[0], done.id))  # a batch of its worker ends: it goes there
     assert fleet.where("a-waits") == home[0]
     fleet.chat("a-late", 0, " and another")  # its worker is at its limit again: waits, then goes anywhere
     assert not any(i.request_id == "a-late" for b, _ in fleet.sent for i in b.items)
     fleet.clock.advance(0.25)
-    fleet.batcher.poll()
+    fleet.record(fleet.batcher.poll())
     assert fleet.where("a-late") == home[1]
 
 
@@ -192,8 +198,7 @@ def test_an_item_no_able_worker_holds_the_start_of_stays_with_the_schedulers_cho
 
 def busy_home_fleet() -> tuple[Fleet, dict[int, str]]:
     """Two workers, tenant 0's start cached on one, which is then busy to its limit with tenant 0's calls."""
-    fleet = Fleet([lm_worker("w0"), lm_worker("w1")])
-    fleet.batcher.prefix_wait_s = 0.2
+    fleet = Fleet([lm_worker("w0"), lm_worker("w1")], prefix_wait_s=0.2)
     fleet.chat("a-first", 0, "?")
     fleet.chat("b-first", 1, "?")
     home = {0: fleet.where("a-first"), 1: fleet.where("b-first")}
@@ -208,11 +213,12 @@ def test_items_deferred_for_their_prefixs_worker_do_not_hold_back_other_tenants(
     fleet.chat("a-waits", 0, " one more")
     assert "a-waits" in {i.request_id for b in fleet.batcher.buffers["lm"] for i in [b.item.item]}
     now = fleet.clock.now
-    delay = fleet.batcher.add(InferenceRequest(id="c", tenant="t3", model="lm", items=(Item("c.0", "hello"),),
-                                               accepted_at=now, deadline=now + 30, reply_to="r"), lambda: None)
+    call = InferenceRequest(id="c", tenant="t3", model="lm", items=(Item("c.0", "hello"),), accepted_at=now,
+                            deadline=now + 30, reply_to="r")
+    delay = fleet.record(fleet.batcher.add(call, lambda: None)).next_poll_s
     assert delay is not None and delay <= fleet.batcher.wait.fixed_s  # a timer for its own wait, not the deferral's
     fleet.clock.advance(delay)
-    fleet.batcher.poll()
+    fleet.record(fleet.batcher.poll())
     assert fleet.where("c") == home[1]  # the free worker, without waiting out tenant 0's deferral
     assert not any(i.request_id == "a-waits" for b, _ in fleet.sent for i in b.items)
 
@@ -220,7 +226,7 @@ def test_items_deferred_for_their_prefixs_worker_do_not_hold_back_other_tenants(
 def test_an_item_is_not_deferred_when_an_able_worker_holds_as_much_of_its_start() -> None:
     fleet, home = busy_home_fleet()
     other = "w1" if home[0] == "w0" else "w0"
-    fleet.batcher.prefixes.sent(other, [prefix_keys(SYSTEM[0])], at=fleet.clock.now)  # replicated there
+    fleet.batcher.router.index.sent(other, [prefix_keys(SYSTEM[0])], at=fleet.clock.now)  # replicated there
     fleet.chat("a-next", 0, " again")
     assert fleet.where("a-next") == other
 

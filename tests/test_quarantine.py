@@ -14,15 +14,15 @@ import pytest
 import redis
 from click.testing import CliRunner, Result
 
+from harness.admitting import try_admit
+from harness.stack import REDIS_URL
 from tasks.cli import cli
 from tasks.schema import BatchItem, input_hash
-from tasks.state.admission import Admission, Ticket, Verdict
+from tasks.state.admission import Admission, AdmissionVerdict, Ticket
 from tasks.state.quarantine import Quarantine, QuarantineSync
 from tasks.store.ledger import Ledger, Quarantined
 from tasks.store.models import make_engine
 from tests.fakes import FakeClock
-from tests.harness.admitting import try_admit
-from tests.harness.stack import REDIS_URL
 
 
 class CountingRedis(redis.Redis):
@@ -88,9 +88,9 @@ def refused_at_the_door(client: redis.Redis, ns: str, digest: str) -> bool:
     admission = Admission(client, f"{ns}:inflight", 100, f"{ns}:quarantine")
     item = uuid.uuid4().hex
     verdict, *_ = try_admit(admission, [item], [digest], ticket=Ticket("t", "sim"), now=time.time(), timeout_s=30)
-    if verdict is Verdict.OK:
+    if verdict is AdmissionVerdict.OK:
         admission.release(Ticket("t", "sim"), [item])
-    return verdict is Verdict.QUARANTINED
+    return verdict is AdmissionVerdict.QUARANTINED
 
 
 def test_a_restarted_redis_gets_the_quarantine_back_from_the_ledger(database_url: str, namespace: str,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness.stack import ROOT, Stack, running_stack
+from harness.stack import ROOT, Stack, running_stack
 
 README_URL = "http://127.0.0.1:8000/v1"
 

@@ -18,15 +18,15 @@ from tasks.errors import (
     Unavailable,
 )
 from tasks.policy.refusal import (
-    HeldFull,
-    Verdict,
+    AdmissionVerdict,
+    FullVerdictCache,
     admission_refusal,
     deadline_refusal,
     error_of,
     shortest_answer_s,
     token_demand,
 )
-from tasks.schema import ItemResult, Priority, WorkerInfo
+from tasks.schema import NO_PARAMS, ItemResult, Priority, SamplingParams, WorkerInfo
 
 
 def worker(model: str = "m", batch_ms: float = 0.0, max_batch: int = 8, kv_tokens: int = 0,
@@ -43,33 +43,33 @@ def refuse(verdict: str, bad_hash: str | None = None, ahead: int = 0, *, tenant_
 
 
 def test_an_admitted_call_is_not_refused_and_a_late_admission_is_503() -> None:
-    assert refuse(Verdict.OK) is None
-    late = refuse(Verdict.LATE)
+    assert refuse(AdmissionVerdict.OK) is None
+    late = refuse(AdmissionVerdict.LATE)
     assert isinstance(late, Unavailable) and "too late" in late.message
 
 
 def test_a_quarantined_input_is_named_by_its_index_and_hash() -> None:
-    error = refuse(Verdict.QUARANTINED, bad_hash="bad", hashes=("ok", "bad"))
+    error = refuse(AdmissionVerdict.QUARANTINED, bad_hash="bad", hashes=("ok", "bad"))
     assert isinstance(error, PoisonInput)
     assert "input 1 is quarantined (hash bad)" in error.message and "quarantine release bad" in error.message
 
 
 def test_a_tenant_at_its_cap_is_told_its_cap_and_when_to_come_back() -> None:
     fast = worker(batch_ms=1000, max_batch=10)  # 10 items/s
-    error = refuse(Verdict.TENANT_FULL, ahead=35, tenant_cap=7, workers=[fast, worker("other", 1000, 1)])
+    error = refuse(AdmissionVerdict.TENANT_FULL, ahead=35, tenant_cap=7, workers=[fast, worker("other", 1000, 1)])
     assert isinstance(error, TenantOverLimit) and "cap of 7 items" in error.message
     assert error.retry_after_s == 4  # 35 items ahead at 10/s, rounded up; the other model's worker not counted
-    default = refuse(Verdict.TENANT_FULL, ahead=0, workers=[fast])
+    default = refuse(AdmissionVerdict.TENANT_FULL, ahead=0, workers=[fast])
     assert isinstance(default, TenantOverLimit) and "cap of 100 items" in default.message
     assert default.retry_after_s == 2  # the floor
 
 
 def test_a_full_model_is_429_with_retry_after_from_the_work_ahead() -> None:
-    tokens = refuse(Verdict.TOKENS_FULL, ahead=5000)
+    tokens = refuse(AdmissionVerdict.TOKENS_FULL, ahead=5000)
     assert isinstance(tokens, QueueFull) and "5000 tokens" in tokens.message and tokens.retry_after_s == 2
-    full = refuse(Verdict.FULL, ahead=100, workers=[worker(batch_ms=500, max_batch=10)])  # 20 items/s
+    full = refuse(AdmissionVerdict.FULL, ahead=100, workers=[worker(batch_ms=500, max_batch=10)])  # 20 items/s
     assert isinstance(full, QueueFull) and "the service is full" in full.message and full.retry_after_s == 5
-    unmeasured = refuse(Verdict.FULL, ahead=100)
+    unmeasured = refuse(AdmissionVerdict.FULL, ahead=100)
     assert isinstance(unmeasured, QueueFull) and unmeasured.retry_after_s == 2  # nothing measured: the floor
 
 
@@ -95,12 +95,14 @@ def test_token_demand_reads_the_workers_only_for_generation_and_refuses_what_nev
         asked.append(True)
         return [worker(kv_tokens=1000, max_context=500), worker(kv_tokens=3000, max_context=600)]
 
-    assert token_demand(["hi", "there"], {}, "m", workers, 4.0) == ([], 0) and not asked
-    estimates, budget = token_demand(["a" * 40, "b"], {"max_tokens": 50}, "m", workers, 2.0)
+    assert token_demand(["hi", "there"], NO_PARAMS, "m", workers, 4.0) == ([], 0) and not asked
+    fifty = SamplingParams(max_tokens=50)
+    estimates, budget = token_demand(["a" * 40, "b"], fifty, "m", workers, 2.0)
     assert estimates == [60, 51] and budget == 8000 and asked  # 10 + 50 and 1 + 50; (1000 + 3000) x 2
-    assert token_demand(["a" * 40], {"max_tokens": 50}, "m", lambda: None, 2.0) == ([60], 0)  # fleet unread
+    assert token_demand(["a" * 40], fifty, "m", lambda: None, 2.0) == ([60], 0)  # fleet unread
     with pytest.raises(InvalidInput, match="input 1 needs at least 601 tokens"):
-        token_demand(["x", "y" * 17], {"max_tokens": 599}, "m", workers, 1.0)  # 1 + 599 fits 600; 2 + 599 not
+        # 1 + 599 fits 600; 2 + 599 not
+        token_demand(["x", "y" * 17], SamplingParams(max_tokens=599), "m", workers, 1.0)
 
 
 @pytest.mark.parametrize(("kind", "error"), [
@@ -114,10 +116,22 @@ def test_an_items_error_becomes_the_callers(kind: str | None, error: type) -> No
 
 
 def test_a_full_verdict_is_held_for_its_model_and_class_while_fresh() -> None:
-    held = HeldFull(hold_s=0.5)
+    held = FullVerdictCache(hold_s=0.5)
     assert held.held("m", Priority.INTERACTIVE, 10.0) is None and not held.any_fresh(10.0)
     held.hold("m", Priority.INTERACTIVE, QueueFull("full", retry_after_s=3), now=10.0)
     again = held.held("m", Priority.INTERACTIVE, 10.4)
     assert again is not None and again.message == "full" and again.retry_after_s == 3 and held.any_fresh(10.4)
     assert held.held("m", Priority.OFFLINE, 10.4) is None and held.held("n", Priority.INTERACTIVE, 10.4) is None
     assert held.held("m", Priority.INTERACTIVE, 10.5) is None and not held.any_fresh(10.5)
+
+
+def test_a_flood_of_full_verdicts_keeps_at_most_max_held_the_fresh_ones_last() -> None:
+    held = FullVerdictCache(hold_s=0.02, max_held=16)
+    now = 10.0
+    for i in range(10_000):
+        held.hold(f"model-{i}", Priority.INTERACTIVE, QueueFull("full", retry_after_s=1), now)
+        now += 0.001
+    assert len(held.verdicts) <= 16, "bounded"
+    assert held.held("model-9999", Priority.INTERACTIVE, now) is not None, "the newest verdict is held"
+    held.hold("m", Priority.OFFLINE, QueueFull("full", retry_after_s=1), now + 1.0)
+    assert list(held.verdicts) == [("m", Priority.OFFLINE)], "the expired went once the cache was full"

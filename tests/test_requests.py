@@ -15,11 +15,12 @@ from typing import Any
 import pytest
 import redis
 
+from harness.stack import REDIS_URL
 from tasks.errors import RecordUnreadable
 from tasks.state.keys import Keys
 from tasks.state.records import FormatError, Idempotency, Outcome, Record, Shape
 from tasks.state.requests import Requests
-from tests.harness.stack import REDIS_URL
+from webapp.errors import status_of
 
 NOW = 1_800_000_000.25
 
@@ -36,7 +37,7 @@ def keyed(made: Record, idem: Idempotency) -> Record:
 
 # -- the format, without Redis ----------------------------------------------------------------------------------
 def test_a_record_round_trips_and_one_without_a_key_reads_as_earlier_versions_wrote_it() -> None:
-    done = record(outcome=Outcome(504, "deadline_exceeded", "late", 12.5), published=True, key_hash="ab" * 32)
+    done = record(outcome=Outcome("deadline_exceeded", "late", 12.5), published=True, key_hash="ab" * 32)
     assert Record.from_json(done.to_json()) == done
     plain = json.loads(record().to_json())
     assert "key_hash" not in plain and "v" not in plain  # the fields of records before this version, no more
@@ -48,6 +49,33 @@ def test_fields_a_later_version_adds_are_ignored() -> None:
     d = json.loads(record().to_json())
     assert Record.from_json(json.dumps({**d, "region": "eu", "shape": {**d["shape"], "tools": []}})) == \
         Record.from_json(json.dumps(d))
+
+
+# An outcome as the version before errors were types wrote it (and read it: its status decided, and was answered)
+BEFORE_TYPES = [({"status": 200, "type": "", "message": "", "total_ms": 12.5}, Outcome(total_ms=12.5)),
+                ({"status": 429, "type": "tenant_over_limit", "message": "over", "total_ms": 0.0},
+                 Outcome("tenant_over_limit", "over")),
+                ({"status": 504, "type": "deadline_exceeded", "message": "late", "total_ms": 0.0},
+                 Outcome("deadline_exceeded", "late"))]
+
+
+@pytest.mark.parametrize(("stored", "outcome"), BEFORE_TYPES)
+def test_an_outcome_is_read_by_its_type_and_written_with_the_status_earlier_versions_read(
+        stored: dict[str, Any], outcome: Outcome) -> None:
+    """A rolling upgrade, both ways: a record of the version before reads as the same outcome (by its type), and
+    this version's record holds every field that version reads, the status it answered with among them."""
+    before = json.dumps({**json.loads(record().to_json()), "outcome": stored})
+    assert Record.from_json(before).outcome == outcome
+    assert outcome.failed == (stored["status"] != 200)
+    assert json.loads(record(outcome=outcome).to_json(status_of))["outcome"] == stored
+
+
+def test_a_failure_without_a_type_or_a_status_reads_as_what_it_can_mean() -> None:
+    """No writer ever stored these; read defensively all the same: a failed status without a type is an internal
+    error, a record of a later version that writes no status is read by its type alone."""
+    assert Outcome.checked({"status": 500}) == Outcome("internal_error")
+    assert Outcome.checked({"type": "queue_full", "message": "full"}) == Outcome("queue_full", "full")
+    assert Outcome.checked({"total_ms": 3.0}) == Outcome(total_ms=3.0)
 
 
 def _with(**changes: Any) -> str:
@@ -89,7 +117,7 @@ def store() -> Iterator[Requests]:
     leases = keys.inflight + ":instances"
     client.zadd(leases, {"alive": float(client.time()[0]) + 600})
     try:
-        yield Requests(client, keys, ttl_s=60, leases_key=leases)
+        yield Requests(client, keys, ttl_s=60, leases_key=leases, status_of=status_of)  # as an API process's
     finally:
         client.delete(*client.keys(f"{keys.namespace}:*") or ["none"])
 
@@ -164,7 +192,7 @@ def test_an_unreadable_record_is_record_unreadable_for_its_key_and_its_id_never_
     for ask in (lambda: store.claim(keyed(record("retry"), idem), idem, NOW), lambda: store.peek("t", idem)):
         with pytest.raises(RecordUnreadable, match="It may have run, so it is not run again") as info:
             ask()
-        assert "'rid'" in info.value.message and info.value.status == 409
+        assert "'rid'" in info.value.message and status_of(info.value.type) == 409
     with pytest.raises(RecordUnreadable, match="request 'rid' is recorded in a form this server cannot read"):
         store.look("t", "rid")
     assert store.client.get(store.record_key(first)) == damage  # nothing was claimed over it
@@ -204,10 +232,39 @@ def test_a_call_whose_key_was_taken_over_does_not_overwrite_the_new_record(store
     retry = keyed(record("retry"), idem)
     assert store.claim(retry, idem, NOW).claimed  # never published, its process holds no lease: taken over
     store.published([stalled])
-    store.finish(stalled, Outcome(200), idem, NOW)
+    store.finish(stalled, Outcome(), idem, NOW)
     held = store.peek("t", idem).view
     assert held is not None and held.record == retry
     store.published([retry])
-    store.finish(retry, Outcome(200, total_ms=3.0), idem, NOW)
+    store.finish(retry, Outcome(total_ms=3.0), idem, NOW)
     done = store.peek("t", idem).view
-    assert done is not None and done.record == replace(retry, outcome=Outcome(200, total_ms=3.0))
+    assert done is not None and done.record == replace(retry, outcome=Outcome(total_ms=3.0))
+
+
+def test_a_finished_call_is_stored_with_its_status_for_the_version_before_types(store: Requests) -> None:
+    """The status comes from the table the store was given (the web layer's); a store given none (the CLI's)
+    writes 500 for every failure: only versions from before errors were types read it."""
+    made = record()
+    store.finish(made, Outcome("queue_full", "full"), None, NOW)
+    raw = store.client.get(store.record_key(made))
+    assert raw is not None and json.loads(raw)["outcome"]["status"] == 429
+    assert Record.from_json(raw).outcome == Outcome("queue_full", "full")
+    plain = Requests(store.client, store.keys, ttl_s=60, leases_key=store.leases_key)
+    plain.finish(made, Outcome("queue_full", "full"), None, NOW)
+    raw = store.client.get(store.record_key(made))
+    assert raw is not None and json.loads(raw)["outcome"]["status"] == 500
+
+
+def test_a_record_redis_lost_is_told_apart_from_one_taken_over(store: Requests) -> None:
+    """Marking a call's record sent: True while it is the call's, False when a retry took its key over (that
+    call must not be sent), None when the record is gone (Redis restarted between its admission and its
+    publish: nobody holds the key, so the call is refused as retryable, not as a conflict)."""
+    idem = Idempotency("order-1", "b")
+    stalled = keyed(record("stalled", instance="gone"), idem)
+    assert store.claim(stalled, idem, NOW).claimed
+    retry = keyed(record("retry"), idem)
+    assert store.claim(retry, idem, NOW).claimed
+    lost = keyed(record("lost"), Idempotency("order-2", "b"))
+    assert store.claim(lost, Idempotency("order-2", "b"), NOW).claimed
+    store.client.delete(store.record_key(lost))  # what a restart of Redis without persistence does
+    assert store.published([retry, stalled, lost], sending=True) == [True, False, None]

@@ -1,26 +1,19 @@
 """The door's view of a model's line (tasks.policy.room): pure, on an injected clock."""
 from __future__ import annotations
 
-from tasks.policy.room import Room
+from tasks.policy.room import PACE_WINDOW_S, Room
+from tests.fakes import FakeClock
 
 KEY = ("sim", "interactive")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_line_nothing_is_known_of_is_empty_and_not_tight() -> None:
-    room = Room(processes=2, pending_ttl_s=3.0, clock=Clock())
+    room = Room(processes=2, pending_ttl_s=3.0, clock=FakeClock())
     assert room.place(KEY) == 0 and room.waiting() == 0
 
 
 def test_requests_let_in_count_for_every_process_sharing_the_load_until_their_verdict() -> None:
-    clock = Clock()
+    clock = FakeClock()
     room = Room(processes=2, pending_ttl_s=3.0, clock=clock)
     for _ in range(5):
         room.let_in(KEY)
@@ -34,50 +27,92 @@ def test_requests_let_in_count_for_every_process_sharing_the_load_until_their_ve
 
 
 def test_the_count_drains_at_the_fleets_rate_and_never_below_nothing() -> None:
-    clock = Clock()
+    clock = FakeClock()
     room = Room(processes=1, pending_ttl_s=3.0, clock=clock)
     room.decided(KEY, count=100, rate=400.0)
-    clock.now += 0.1
+    clock.advance(0.1)
     assert round(room.place(KEY), 6) == 60  # 40 answered in 100 ms
-    clock.now += 1.0
+    clock.advance(1.0)
     assert room.place(KEY) == 0
 
 
 def test_a_request_let_in_that_never_gets_a_verdict_stops_counting() -> None:
-    clock = Clock()
+    clock = FakeClock()
     room = Room(processes=2, pending_ttl_s=3.0, clock=clock)
     room.let_in(KEY)
-    clock.now += 2.0
+    clock.advance(2.0)
     room.let_in(KEY)
-    clock.now += 1.5  # the first is 3.5 s old: a 400, or a caller gone
+    clock.advance(1.5)  # the first is 3.5 s old: a 400, or a caller gone
     assert room.waiting() == 1 and room.place(KEY) == 2
 
 
 def test_every_line_counts_towards_the_wait_for_a_turn() -> None:
-    room = Room(processes=2, pending_ttl_s=3.0, clock=Clock())
+    room = Room(processes=2, pending_ttl_s=3.0, clock=FakeClock())
     for key in (KEY, KEY, ("sim", "offline"), ("other", "interactive")):
         room.let_in(key)
     assert room.waiting() == 4  # this process's own calls, of every line: they all go through its admission first
 
 
 def test_the_pace_is_of_calls_through_admission_while_others_wait_over_the_last_second() -> None:
-    clock = Clock()
+    clock = FakeClock()
     room = Room(processes=1, pending_ttl_s=10.0, clock=clock)
     for _ in range(40):
         room.ended(KEY)  # nobody waits behind them: idle calls tell no pace
-        clock.now += 0.001
+        clock.advance(0.0001)  # a second in all: the pending request is still counted
     assert room.pace() is None
     for _ in range(100):
         room.let_in(KEY)
     for _ in range(15):
-        clock.now += 0.01
+        clock.advance(0.01)
         room.ended(KEY)
     assert room.pace() is None  # too few to tell
     for _ in range(35):
-        clock.now += 0.01
+        clock.advance(0.01)
         room.ended(KEY)
     assert round(room.pace() or 0, 6) == round(50 / 0.49, 6)  # 50 through from the first to now: 100 a second
-    clock.now += 0.5  # a stall: none through for half a second
+    clock.advance(0.5)  # a stall: none through for half a second
     assert round(room.pace() or 0, 6) == round(50 / 0.99, 6)
-    clock.now += 0.6  # the window has passed them all
+    clock.advance(0.6)  # the window has passed them all
     assert room.pace() is None
+
+
+def test_a_flood_of_lines_keeps_at_most_max_lines_idle_ones_evicted_first() -> None:
+    clock = FakeClock()
+    room = Room(processes=1, pending_ttl_s=3.0, clock=clock, max_lines=8)
+    room.let_in(KEY)  # a busy line: a request pending
+    for i in range(10_000):
+        room.decided((f"model-{i}", "interactive"), count=0, rate=0.0)
+        clock.advance(0.0001)  # a second in all: the pending request is still counted
+    assert len(room) == 8, "bounded"
+    assert room.waiting() == 1 and room.place(KEY) == 1, "the busy line outlived the idle flood"
+    room.ended(KEY)
+    assert room.waiting() == 0
+
+
+def test_a_flood_of_busy_lines_evicts_the_least_lately_used() -> None:
+    clock = FakeClock()
+    room = Room(processes=1, pending_ttl_s=30.0, clock=clock, max_lines=4)
+    for i in range(1_000):
+        room.let_in((f"model-{i}", "interactive"))
+    assert len(room) == 4 and room.waiting() == 4
+    assert room.place(("model-999", "interactive")) == 1 and room.place(("model-0", "interactive")) == 0
+
+
+def test_lines_of_models_no_longer_served_are_dropped_and_ending_one_keeps_nothing() -> None:
+    room = Room(processes=1, pending_ttl_s=3.0, clock=FakeClock())
+    room.let_in(KEY)
+    room.let_in(("gone", "interactive"))
+    room.keep_only(lambda key: key == KEY)
+    assert len(room) == 1 and room.waiting() == 1
+    room.ended(("never-seen", "interactive"))  # a call through admission whose line was never kept
+    assert len(room) == 1
+
+
+def test_the_pace_keeps_only_its_window_even_when_nothing_asks_for_it() -> None:
+    clock = FakeClock()
+    room = Room(processes=1, pending_ttl_s=1e9, clock=clock)
+    room.let_in(("stuck", "interactive"))  # one request pending for good: every call through counts for the pace
+    for _ in range(10_000):
+        room.ended(KEY)
+        clock.advance(0.01)
+    assert len(room._paced) <= PACE_WINDOW_S / 0.01 + 1

@@ -7,8 +7,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
 
+from harness.stack import wait_for
 from tasks.gateway.rounds import Rounds
-from tests.harness.stack import wait_for
 
 
 class Door:

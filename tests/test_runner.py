@@ -5,22 +5,22 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
 import redis
 
-from gpu_worker.backends import Hooks
+from gpu_worker.backends.interface import Hooks
 from gpu_worker.device_slots import Device as Slots
 from gpu_worker.runner import BatchRunner
 from gpu_worker.worker_state import WorkerState, measure_full_batch
-from tasks.schema import Batch, BatchItem
+from harness.stack import REDIS_URL
+from tasks.schema import Batch, BatchItem, SamplingParams
 from tasks.state.claims import Claims
 from tasks.state.results import ResultWriter
 from tests.fakes import FakeClock
-from tests.harness.stack import REDIS_URL
 
 
 class Device:
@@ -37,7 +37,7 @@ class Device:
         self.running = 0
         self.overlapped = False
 
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
+    def run(self, inputs: Sequence[str], params: Sequence[SamplingParams] | None = None,
             hooks: Hooks | None = None) -> list[str]:
         self.running += 1
         self.overlapped |= self.running > 1

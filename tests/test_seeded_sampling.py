@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +27,8 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingTopPLogitsWarper,
 )
 
-from gpu_worker.backends import Hooks
-from gpu_worker.backends.generation import SCORED_IDS, Row
+from gpu_worker.backends.generation import Row
+from gpu_worker.backends.interface import Hooks, Outputs, in_order
 from gpu_worker.backends.seeded_sampling import (
     NO_NOISE,
     SeededGumbel,
@@ -36,8 +37,10 @@ from gpu_worker.backends.seeded_sampling import (
     gumbel_noise,
     mix32,
 )
+from harness.models import build_tiny_llama
 from tasks.policy.prefixes import prefix_keys
-from tests.harness.models import build_tiny_llama
+from tasks.schema import SamplingParams
+from tests.outputs import generated
 
 Z_1E4 = 3.719  # the standard normal's upper 1e-4 quantile
 
@@ -155,15 +158,18 @@ def backend(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 def test_a_seed_gives_the_same_text_alone_or_batched(backend: Any) -> None:
-    asked = {"max_tokens": 16, "temperature": 0.8, "top_p": 0.95, "seed": 42}
-    alone = backend.run(["hello world"], [asked])[0]["text"]
-    others = [{"max_tokens": 4 + 7 * i, "temperature": 0.8 if i % 2 else 0, "seed": i} for i in range(10)]
-    batch = backend.run([f"the cat {i}" for i in range(5)] + ["hello world"] + [f"a mat {i}" for i in range(5)],
-                        [*others[:5], asked, *others[5:]])
-    assert batch[5]["text"] == alone
-    assert backend.run(["hello world"], [{**asked, "seed": 43}])[0]["text"] != alone
-    unseeded = {"max_tokens": 16, "temperature": 0.8}
-    assert backend.run(["hello world"], [unseeded])[0]["text"] != backend.run(["hello world"], [unseeded])[0]["text"]
+    def text(params: SamplingParams) -> str:
+        return generated(backend.run(["hello world"], [params]))[0].text
+
+    asked = SamplingParams(max_tokens=16, temperature=0.8, top_p=0.95, seed=42)
+    alone = text(asked)
+    others = [SamplingParams(max_tokens=4 + 7 * i, temperature=0.8 if i % 2 else 0, seed=i) for i in range(10)]
+    batch = generated(backend.run([f"the cat {i}" for i in range(5)] + ["hello world"] +
+                                  [f"a mat {i}" for i in range(5)], [*others[:5], asked, *others[5:]]))
+    assert batch[5].text == alone
+    assert text(replace(asked, seed=43)) != alone
+    unseeded = SamplingParams(max_tokens=16, temperature=0.8)
+    assert text(unseeded) != text(unseeded)
 
 
 def test_engine_draws_follow_the_model_distribution(backend: Any) -> None:
@@ -175,9 +181,10 @@ def test_engine_draws_follow_the_model_distribution(backend: Any) -> None:
         logits = backend.model(input_ids=torch.tensor([ids])).logits[0, -1].float()
     expected = nucleus(logits, temperature, top_p)
     rows = [Row(i, ids, 1, [], logprobs=0, temperature=temperature, top_p=top_p, seed=5000 + i) for i in range(n)]
-    outputs: list[Any] = [None] * n
+    outputs: Outputs = {}
     backend.engine.generate(rows, outputs, Hooks())  # the engine itself: its answers keep the token ids
-    firsts = [o[SCORED_IDS][0] if o[SCORED_IDS] else backend.eos_ids[0] for o in outputs]
+    ids_of = [o.token_ids for o in generated(in_order(outputs, n))]
+    firsts = [ids[0] if ids else backend.eos_ids[0] for ids in ids_of]
     counts = torch.bincount(torch.tensor(firsts), minlength=logits.numel())
     assert int(counts[expected == 0].sum()) == 0
     stat, df = goodness_of_fit(counts, expected)
@@ -189,7 +196,7 @@ def test_shared_prompt_blocks_are_counted_and_named(backend: Any) -> None:
     system = "the cat sat on a mat; " * 25  # over 512 characters, in the tiny tokenizer's words
     before = backend.prefix_cache()
     for i in range(3):
-        backend.run([system + f"question {i}"], [{"max_tokens": 2, "temperature": 0}])
+        backend.run([system + f"question {i}"], [SamplingParams(max_tokens=2, temperature=0)])
     after = backend.prefix_cache()
     assert after.caching and after.queries > before.queries
     assert after.hits - before.hits >= 2 * (after.queries - before.queries) // 3 - 2  # the 2nd and 3rd found it

@@ -20,6 +20,9 @@ import pytest
 import redis
 from redis.sentinel import SentinelConnectionPool
 
+from harness.loadgen import SteadyLoad
+from harness.services import PrivateRedis
+from harness.stack import Stack, free_port, wait_for
 from tasks.state.connect import (
     SENTINEL_PORT,
     PoolExhausted,
@@ -29,9 +32,6 @@ from tasks.state.connect import (
     redis_client,
 )
 from tasks.state.pubsub import Subscription
-from tests.harness.loadgen import SteadyLoad
-from tests.harness.services import PrivateRedis
-from tests.harness.stack import Stack, free_port, wait_for
 from tests.test_service_faults import describe, hold, sent_between, small_stack, wait_status
 
 REDIS_SERVER = shutil.which("redis-server") or "redis-server"  # bin/test installs it where it is missing

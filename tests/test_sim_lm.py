@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from gpu_worker.backends import Hooks, ItemError, load_backend
 from gpu_worker.backends.generation import Row
+from gpu_worker.backends.interface import Hooks, ItemError
+from gpu_worker.backends.registry import load_backend
 from gpu_worker.backends.sim_lm import SimLMBackend
 from gpu_worker.backends.sim_lm_engine import (
     A100_80GB_BYTES,
@@ -33,9 +34,13 @@ from gpu_worker.backends.sim_lm_engine import (
 from gpu_worker.backends.sim_lm_text import GREEDY, SimTokenizer, Text
 from tasks.config import Settings
 from tasks.policy.prefixes import prefix_keys
+from tasks.schema import GenerationOutput, SamplingParams
 from tests.fakes import FakeClock
+from tests.outputs import generated
 
-GREEDY_PARAMS = {"temperature": 0}
+
+def greedy(max_tokens: int, stop: tuple[str, ...] = ()) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, stop=stop)
 
 
 def make_seq(prompt: list[int], max_tokens: int, *, index: int = 0, eos: int | None = None, stop: tuple[str, ...] = (),
@@ -94,7 +99,7 @@ def test_the_tokeniser_counts_words_and_pieces() -> None:
 
 def test_greedy_text_ignores_the_seed_and_sampled_text_follows_it(backend: SimLMBackend) -> None:
     def text(prompt: str, **params: Any) -> str:
-        return str(backend.run([prompt], [{"max_tokens": 12, **params}])[0]["text"])
+        return generated(backend.run([prompt], [SamplingParams(max_tokens=12, **params)]))[0].text
 
     greedy = text("hello", temperature=0, seed=1)
     assert greedy == text("hello", temperature=0, seed=2) == text("hello", temperature=0)
@@ -106,7 +111,7 @@ def test_greedy_text_ignores_the_seed_and_sampled_text_follows_it(backend: SimLM
 
 def test_greedy_text_is_the_same_alone_or_batched(backend: SimLMBackend) -> None:
     prompts = [f"the queue {i} is fast" for i in range(12)]
-    params = [{"max_tokens": 4 + 3 * (i % 4), **GREEDY_PARAMS} for i in range(12)]
+    params = [greedy(4 + 3 * (i % 4)) for i in range(12)]
     alone = [backend.run([p], [q])[0] for p, q in zip(prompts, params)]
     assert backend.run(prompts, params) == alone
     with ThreadPoolExecutor(max_workers=4) as pool:  # four batches sharing the decode batch
@@ -122,16 +127,16 @@ def test_max_tokens_and_eos_give_mixed_lengths() -> None:
     eos = SimLMBackend(speed=1000, eos_mean=16)
     try:
         prompts = [f"prompt {i}" for i in range(40)]
-        params = [{"max_tokens": 40, **GREEDY_PARAMS}] * 40
-        full = no_eos.run(prompts, params)
-        assert {o["completion_tokens"] for o in full} == {40} and {o["finish_reason"] for o in full} == {"length"}
-        mixed = eos.run(prompts, params)
-        lengths = [o["completion_tokens"] for o in mixed]
+        params = [greedy(40)] * 40
+        full = generated(no_eos.run(prompts, params))
+        assert {o.completion_tokens for o in full} == {40} and {o.finish_reason for o in full} == {"length"}
+        mixed = generated(eos.run(prompts, params))
+        lengths = [o.completion_tokens for o in mixed]
         assert len(set(lengths)) > 10 and min(lengths) >= 1 and max(lengths) <= 40
         for o, whole, p in zip(mixed, full, prompts):  # EOS at the position drawn from the prompt's hash
             eos_at = Text(p, GREEDY).eos(16)
-            assert o["finish_reason"] == ("stop" if eos_at is not None and eos_at < 40 else "length")
-            assert whole["text"].startswith(o["text"])  # the same text, ended earlier
+            assert o.finish_reason == ("stop" if eos_at is not None and eos_at < 40 else "length")
+            assert whole.text.startswith(o.text)  # the same text, ended earlier
         assert sum(lengths) / len(lengths) == pytest.approx(16, rel=0.5)
     finally:
         no_eos.close()
@@ -139,39 +144,39 @@ def test_max_tokens_and_eos_give_mixed_lengths() -> None:
 
 
 def test_stop_sequences_cut_the_text_and_are_never_streamed(backend: SimLMBackend) -> None:
-    whole = backend.run(["stop here"], [{"max_tokens": 30, **GREEDY_PARAMS}])[0]["text"]
+    whole = generated(backend.run(["stop here"], [greedy(30)]))[0].text
     stop = whole.split(" ")[6]  # a word the model is going to say
     cut = whole[:whole.index(stop)]
     streamed: list[str] = []
-    out = backend.run(["stop here"], [{"max_tokens": 30, "stop": [stop, "zzzz"], **GREEDY_PARAMS}],
-                      Hooks(streaming={0}, stream=lambda deltas: streamed.extend(t for _, t in deltas)))[0]
-    assert out["text"] == cut and out["finish_reason"] == "stop"
-    assert out["completion_tokens"] == len(SimTokenizer().encode(cut))
-    assert stop not in "".join(streamed) and out["text"].startswith("".join(streamed))
+    out = generated(backend.run(["stop here"], [greedy(30, stop=(stop, "zzzz"))],
+                                Hooks(streaming={0}, stream=lambda deltas: streamed.extend(t for _, t in deltas))))[0]
+    assert out.text == cut and out.finish_reason == "stop"
+    assert out.completion_tokens == len(SimTokenizer().encode(cut))
+    assert stop not in "".join(streamed) and out.text.startswith("".join(streamed))
 
 
 def test_streamed_deltas_add_up_to_the_text(backend: SimLMBackend) -> None:
     calls: list[list[tuple[int, str]]] = []
-    out = backend.run(["a", "b"], [{"max_tokens": 10, **GREEDY_PARAMS}] * 2,
-                      Hooks(streaming={1}, stream=calls.append))
+    out = generated(backend.run(["a", "b"], [greedy(10)] * 2, Hooks(streaming={1}, stream=calls.append)))
     assert {p for call in calls for p, _ in call} == {1}  # only the row that asked for it
-    assert "".join(t for call in calls for _, t in call) == out[1]["text"]
+    assert "".join(t for call in calls for _, t in call) == out[1].text
 
 
 def test_requests_the_model_cannot_take_are_item_errors(backend: SimLMBackend) -> None:
     small = SimLMBackend(speed=1000, kv_tokens=64, page_size=16, max_context=4096)
     try:
-        out = small.run(["fits", "word " * 60, "x"], [{"max_tokens": 8}, {"max_tokens": 8}, {"max_tokens": 100}])
-        assert isinstance(out[0], dict)
+        out = small.run(["fits", "word " * 60, "x"], [SamplingParams(max_tokens=8), SamplingParams(max_tokens=8),
+                                                      SamplingParams(max_tokens=100)])
+        assert isinstance(out[0], GenerationOutput)
         assert isinstance(out[1], ItemError) and "KV cache" in out[1].message
         assert isinstance(out[2], ItemError)
     finally:
         small.close()
-    out = backend.run(["word " * 4090, "not json"], [{"max_tokens": 16}, {"chat": True}])
+    out = backend.run(["word " * 4090, "not json"], [SamplingParams(max_tokens=16), SamplingParams(chat=True)])
     assert isinstance(out[0], ItemError) and "context of 4096" in out[0].message
     assert isinstance(out[1], ItemError) and "cannot build the prompt" in out[1].message
-    chat = backend.run(['[{"role": "user", "content": "hi"}]'], [{"chat": True, "max_tokens": 4}])[0]
-    assert chat["prompt_tokens"] == len(SimTokenizer().encode("<|user|>hi\n<|assistant|>"))
+    chat = generated(backend.run(['[{"role": "user", "content": "hi"}]'], [SamplingParams(chat=True, max_tokens=4)]))[0]
+    assert chat.prompt_tokens == len(SimTokenizer().encode("<|user|>hi\n<|assistant|>"))
 
 
 # -- the paged KV cache, admission, retirement ---------------------------------------------------------------
@@ -313,7 +318,7 @@ def test_cancellation_frees_the_slot_and_the_pages_at_the_next_step() -> None:
     assert engine.kv.used == 4 and len(engine.running) == 2
     gone.add(0)
     step = engine.step()
-    assert [(e[0], e[1], e[2]["finish_reason"]) for _, e in step.events if e[0] == "done"] == [("done", 0, "cancelled")]
+    assert [(e[0], e[1], e[2].finish_reason) for _, e in step.events if e[0] == "done"] == [("done", 0, "cancelled")]
     assert step.running == 1 and engine.kv.used == 2
     assert step.ms == pytest.approx(Timing().step(1))  # the next step is one sequence smaller
 
@@ -348,8 +353,8 @@ def test_the_backend_sleeps_the_simulated_time_in_both_modes() -> None:
         clock = FakeClock(start=0.0)
         b = SimLMBackend(mode=mode, timing=timing, eos_mean=0, clock=clock, sleep=clock.sleep, speed=2)
         try:
-            out = b.run(["a b c", "a b c d e"], [{"max_tokens": n, **GREEDY_PARAMS} for n in (2, 6)])
-            assert [o["completion_tokens"] for o in out] == [2, 6]
+            out = generated(b.run(["a b c", "a b c d e"], [greedy(n) for n in (2, 6)]))
+            assert [o.completion_tokens for o in out] == [2, 6]
             assert clock.now == pytest.approx(expected_ms / 1000 / 2)  # speed 2: half the time
             assert b.slots == (4 if mode == "continuous" else 1) and b.kv_tokens == DEFAULT_KV_TOKENS
         finally:
@@ -370,10 +375,10 @@ def test_a_cancelled_row_stops_at_the_next_step_while_the_rest_go_on() -> None:
         gone.clear()
         seen.clear()
         try:
-            out = b.run(["long", "short"], [{"max_tokens": 1000, **GREEDY_PARAMS}, {"max_tokens": 40, **GREEDY_PARAMS}],
-                        Hooks(streaming={0}, stream=stream, cancelled=lambda p: p in gone))
-            assert out[0]["finish_reason"] == "cancelled" and 3 <= out[0]["completion_tokens"] < 40
-            assert out[1] == {**out[1], "completion_tokens": 40, "finish_reason": "length"}
+            out = generated(b.run(["long", "short"], [greedy(1000), greedy(40)],
+                                  Hooks(streaming={0}, stream=stream, cancelled=lambda p: p in gone)))
+            assert out[0].finish_reason == "cancelled" and 3 <= out[0].completion_tokens < 40
+            assert (out[1].completion_tokens, out[1].finish_reason) == (40, "length")
             assert b.kv_used() == 0 and b.running() == 0
         finally:
             b.close()
@@ -400,7 +405,7 @@ WORKER = "gpu0@test"
 
 @pytest.fixture(scope="module")
 def lm_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from tests.harness.stack import running_stack
+    from harness.stack import running_stack
 
     with running_stack(Path(tmp_path_factory.mktemp("sim-lm")), web_workers=1,
                        workers=[(0, {"backend": "sim-lm"})],  # real time: the modelled A100's 11 ms steps
@@ -432,9 +437,9 @@ def test_e2e_the_worker_serves_sim_lm_and_advertises_its_kv_budget(lm_stack: Any
 
 def test_e2e_completions_and_chat_with_usage(client: Any, local: SimLMBackend) -> None:
     r = client.completions.create(model=MODEL, prompt="the cat sat on the mat", max_tokens=5, temperature=0)
-    want = local.run(["the cat sat on the mat"], [{"max_tokens": 5, "temperature": 0}])[0]
-    assert r.choices[0].text == want["text"] and r.choices[0].finish_reason == want["finish_reason"]
-    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, want["completion_tokens"])
+    want = generated(local.run(["the cat sat on the mat"], [greedy(5)]))[0]
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == want.finish_reason
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, want.completion_tokens)
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
     chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=6, temperature=0)
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
@@ -442,8 +447,8 @@ def test_e2e_completions_and_chat_with_usage(client: Any, local: SimLMBackend) -
 
     assert chat.usage.prompt_tokens == len(SimTokenizer().encode(render_chat(messages)))
     stopped = client.completions.create(model=MODEL, prompt="the cat sat on the mat", max_tokens=5, temperature=0,
-                                        stop=[want["text"].split(" ")[3]])
-    assert stopped.choices[0].finish_reason == "stop" and want["text"].startswith(stopped.choices[0].text)
+                                        stop=[want.text.split(" ")[3]])
+    assert stopped.choices[0].finish_reason == "stop" and want.text.startswith(stopped.choices[0].text)
 
 
 def test_e2e_streams_add_up_to_the_whole_answer(client: Any) -> None:
@@ -475,7 +480,7 @@ def test_e2e_greedy_outputs_do_not_depend_on_the_batch(client: Any) -> None:
 
 
 def test_e2e_a_cancelled_stream_frees_its_slot(lm_stack: Any, client: Any) -> None:
-    from tests.harness.stack import wait_for
+    from harness.stack import wait_for
 
     # a prompt whose EOS is past 1000 tokens: left alone, it would stream for 1000 x 11.1 ms = 11 s
     prompt = next(p for p in (f"tell me a long story {i}" for i in range(100_000))

@@ -18,8 +18,8 @@ import requests
 
 from gpu_worker import supervisor as supervision
 from gpu_worker.drain import hear_sigterm_once
-from tests.harness.helpers import expected
-from tests.harness.stack import BIN, ROOT, Stack, running_stack, wait_for
+from harness.helpers import expected
+from harness.stack import BIN, ROOT, Stack, running_stack, wait_for
 
 HERE = socket.gethostname()
 

@@ -15,6 +15,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
+from harness.stack import BIN, ROOT
 from tasks.errors import InvalidInput, Unauthorized, Unavailable
 from tasks.policy.tenancy import Principal, TenantPolicy
 from tasks.schema import Priority
@@ -28,7 +29,6 @@ from tasks.store.tenants import (
     new_key,
 )
 from tests.fakes import FakeClock
-from tests.harness.stack import BIN, ROOT
 
 UNREACHABLE = "postgresql+psycopg://postgres@127.0.0.1:1/none"
 
@@ -154,7 +154,7 @@ def test_tenant_settings_are_validated_and_fall_back_to_defaults(store: KeyStore
             store.set_tenant(name)
         with pytest.raises(ValueError, match="is not 1-64 characters"):
             store.create_key(name)
-    with pytest.raises(ValueError, match="weight must be a number"):
+    with pytest.raises(ValueError, match="'weight' must be a number"):
         KeyStore(store.engine, weight=0)
     with pytest.raises(ValueError, match="is not one of interactive, offline"):
         KeyStore(store.engine, priority="urgent")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.harness.stack import running_stack, wait_for
+from harness.stack import running_stack, wait_for
 
 
 @pytest.mark.fault

@@ -21,9 +21,9 @@ from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from harness.stack import Stack, free_port, running_stack, wait_for
 from tasks import tracing
 from tasks.store.models import RequestRecord, make_engine
-from tests.harness.stack import Stack, free_port, running_stack, wait_for
 
 
 @dataclass

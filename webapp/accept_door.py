@@ -3,7 +3,6 @@ Flask takes it: as it arrives, when its model's line is longer than the fleet ca
 while the process is behind or a FULL verdict is fresh."""
 from __future__ import annotations
 
-import json
 import socket
 import time
 from collections.abc import Callable
@@ -14,16 +13,18 @@ import gevent
 
 from tasks.config import Settings
 from tasks.errors import QueueFull
+from tasks.policy import strict_json
 from tasks.policy.room import Placed
 from tasks.policy.shedding import Door
 from tasks.schema import Priority
-from webapp.door import refusal
+from webapp.door import NAME_MAX, DoorIdentity, refusal
+from webapp.errors import status_of
 from webapp.peek import Peeked, partly_arrived, peek_request, tenant_of
-from webapp.validation import asks_offline, bearer_token, named_tenant, priority_class
+from webapp.validation import asks_offline, bearer_token, named_tenant, priority_class, timeout_limit_ms
 from webapp.worker import AtDoor
 
 if TYPE_CHECKING:
-    from tasks.gateway.gateway import Gateway
+    from tasks.gateway.admission_queue import AdmissionQueue
     from tasks.store.directory import TenantDirectory
 
 
@@ -38,7 +39,7 @@ BODY_WAIT_S = 0.002
 class AcceptDoor:
     """The door at accept: while the process is behind, a request is refused from its bytes already arrived,
     before gunicorn parses it or a greenlet is spawned for it; and so is one arriving beyond what its model's
-    line can answer in time (:class:`Lines`), before it waits its turn at intake.
+    line can answer in time (:class:`QueueShedding`), before it waits its turn at intake.
 
     Under a flood the refusals are most of the work: at three times the capacity of one 250 ms device, two
     API processes refuse 800 requests a second, and gunicorn's parsing, the WSGI environ and the response cost
@@ -48,10 +49,12 @@ class AcceptDoor:
     all arrived yet, no Content-Length, chunked, not an inference call) goes the usual way, to be refused or let
     in by :class:`DoorMiddleware` with the same rules."""
 
-    def __init__(self, door: Door, is_inference: Callable[[str], bool], lines: Lines | None = None) -> None:
+    def __init__(self, door: Door, is_inference: Callable[[str], bool], shedding: QueueShedding | None = None,
+                 identity: DoorIdentity | None = None) -> None:
         self.door = door
         self.is_inference = is_inference
-        self.lines = lines
+        self.shedding = shedding
+        self.identity = identity or DoorIdentity()
 
     def __call__(self, sock: socket.socket, delay: float | None = None, *, arriving: bool = False,
                  arrived_at: float | None = None, in_line: bool = False) -> AtDoor:
@@ -60,33 +63,36 @@ class AcceptDoor:
         connection).
 
         ``arriving``: its bytes have just come (it arrived at ``arrived_at``, where its deadline starts; None:
-        now), and it is judged by its place in its model's line (:class:`Lines`): IN_LINE when that let it in.
+        now), and it is judged by its place in its model's admission queue (:class:`QueueShedding`): IN_LINE when
+        that let it in.
         ``in_line``: such a request at its intake turn, ``delay`` after its arrival: only lateness refuses it then
         (its line was judged when it arrived; the expected wait at the gate would judge it twice). The door in
         front of Flask (:class:`webapp.door.DoorMiddleware`) still judges it by that wait."""
-        judging = arriving and self.lines is not None
+        judging = arriving and self.shedding is not None
         late_only = in_line and delay is not None
         behind = self.door.lateness(delay).late if late_only else self.door.behind_at_accept(delay)  # type: ignore[arg-type]
-        if not behind and not judging and (self.lines is None or not self.lines.any_held()):
+        if not behind and not judging and (self.shedding is None or not self.shedding.any_held()):
             return AtDoor.USUAL
-        patient = judging and (behind or self.lines.forming())  # type: ignore[union-attr]
+        patient = judging and (behind or self.shedding.forming())  # type: ignore[union-attr]
         request = _arrived_whole(sock, BODY_WAIT_TRIES if patient else 0) if judging else peek_request(sock)
         if request is None or not self.is_inference(request.path):
             return AtDoor.USUAL
-        caller = request.headers.get("authorization") or request.headers.get("x-tenant") or tenant_of(request.body)
+        caller = self.identity(request.headers.get("authorization"), request.headers.get("x-tenant"))
+        if not caller and self.identity.in_body:
+            caller = tenant_of(request.body)[:NAME_MAX]
         if judging:  # every arrival counts towards who sends what (its entry at the door counts it again)
             self.door.callers.arrived(caller)
         # a light caller is held neither to a flood's FULL verdict nor to its line (the gateway lets it past: it
         # is served fairly)
-        call = None if self.lines is None or self.door.callers.light(caller) else self.lines.judged(request)
-        error: QueueFull | None = None if call is None else self.lines.held(call)  # type: ignore[union-attr]
+        call = None if self.shedding is None or self.door.callers.light(caller) else self.shedding.judged(request)
+        error: QueueFull | None = None if call is None else self.shedding.held(call)  # type: ignore[union-attr]
         if error is None and behind:
             error = self.door.refusal_at_accept(caller, delay)
         elif error is not None and not judging:
             self.door.callers.arrived(caller)  # counted as if it had entered, as the gateway's refusal would be
         outcome = AtDoor.USUAL
         if error is None and judging and call is not None:
-            placed = self.lines.place(call, arrived_at)  # type: ignore[union-attr]
+            placed = self.shedding.place(call, arrived_at)  # type: ignore[union-attr]
             if isinstance(placed, QueueFull):  # Overloaded among them
                 error = placed
             elif placed is Placed.IN_LINE:
@@ -98,7 +104,7 @@ class AcceptDoor:
         try:
             sock.settimeout(0.0)
             sock.recv(request.size)  # all there: the peek saw it
-            sock.sendall(f"HTTP/1.1 {error.status} Too Many Requests\r\n{head}\r\n".encode("latin-1") + body)
+            sock.sendall(f"HTTP/1.1 {status_of(error.type)} Too Many Requests\r\n{head}\r\n".encode("latin-1") + body)
         except OSError:
             pass  # the caller is gone, or the response did not fit at once: it is closed all the same
         return AtDoor.REFUSED
@@ -125,10 +131,10 @@ class Judged:
     timeout_s: float
 
 
-class Lines:
-    """The gateway's view of each model's line, applied at accept: its fresh FULL verdicts
-    (:meth:`tasks.gateway.gateway.Gateway.held_full`) and the place a request arriving now would take
-    (:meth:`tasks.gateway.gateway.Gateway.place`).
+class QueueShedding:
+    """This process's view of each model's admission queue (:class:`tasks.gateway.admission_queue.AdmissionQueue`),
+    applied at accept: its fresh FULL verdicts (:meth:`~tasks.gateway.admission_queue.AdmissionQueue.held_full`)
+    and the place a request arriving now would take (:meth:`~tasks.gateway.admission_queue.AdmissionQueue.place`).
 
     Under a flood most calls are refused for want of room, after gunicorn, Flask, authentication and the body's
     parsing have run (about half a millisecond each), and under a burst only once their turn at admission has
@@ -138,37 +144,39 @@ class Lines:
     tenant not seen), a body that is not a small JSON object, or a retry with an Idempotency-Key (it may be
     answered from its first call) goes the usual way."""
 
-    def __init__(self, gateway: Gateway, tenants: TenantDirectory, settings: Settings) -> None:
-        self.gateway = gateway
+    def __init__(self, queue: AdmissionQueue, tenants: TenantDirectory, settings: Settings) -> None:
+        self.queue = queue
         self.tenants = tenants
         self.default_model = settings.models.default_model
         self.default_timeout_s = settings.admission.default_timeout_ms / 1000
+        # past the largest timeout a call may give, its 400 comes the usual way (never a place held for it)
+        self.max_timeout_ms = timeout_limit_ms(settings)
         self.keys = settings.tenants.auth != "none"
 
     def any_held(self) -> bool:
-        return self.gateway.holds_full()
+        return self.queue.holds_full()
 
     def forming(self) -> bool:
-        """Whether calls let in on arrival wait for admission (:meth:`tasks.gateway.gateway.Gateway.line_forming`)."""
-        return self.gateway.line_forming()
+        """Whether calls let in on arrival wait for admission (:meth:`AdmissionQueue.forming`)."""
+        return self.queue.forming()
 
     def held(self, call: Judged) -> QueueFull | None:
         """The FULL verdict the gateway holds for the call's model and class, while it is fresh."""
-        return self.gateway.held_full(call.model, call.priority)
+        return self.queue.held_full(call.model, call.priority)
 
     def place(self, call: Judged, arrived_at: float | None = None) -> QueueFull | Placed:
-        """The call's place in its model's line (:meth:`tasks.gateway.gateway.Gateway.place`), with the time it
+        """The call's place in its model's queue (:meth:`AdmissionQueue.place`), with the time it
         has left (its deadline and the door's bound count from ``arrived_at``; None: now)."""
         waited = 0.0 if arrived_at is None else max(0.0, time.monotonic() - arrived_at)
-        return self.gateway.place(call.model, call.priority, call.timeout_s - waited, waited)
+        return self.queue.place(call.model, call.priority, call.timeout_s - waited, waited)
 
     def judged(self, request: Peeked) -> Judged | None:
         """The call's model, class and timeout, when they can be told from its bytes and the caches."""
         if "idempotency-key" in request.headers:
             return None
         try:
-            body = json.loads(request.body)
-        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth: its 400 comes later
+            body = strict_json.loads(request.body.decode("utf-8"))
+        except (ValueError, RecursionError):  # not JSON (NaN, 1e400 too), or nested too deep: its 400 comes later
             return None
         if not isinstance(body, dict):
             return None
@@ -189,7 +197,8 @@ class Lines:
         asked = Priority.OFFLINE if asks_offline(body, openai=not native) else Priority.INTERACTIVE
         if timeout_ms is None:
             timeout_s = self.default_timeout_s
-        elif isinstance(timeout_ms, (int, float)) and not isinstance(timeout_ms, bool) and timeout_ms > 0:
+        elif isinstance(timeout_ms, (int, float)) and not isinstance(timeout_ms, bool) \
+                and 0 < timeout_ms <= self.max_timeout_ms:
             timeout_s = timeout_ms / 1000
         else:
             return None  # its 400 comes the usual way

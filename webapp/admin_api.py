@@ -11,12 +11,13 @@ from typing import Any
 from flask import Blueprint, Response, g, jsonify, request
 from sqlalchemy.exc import SQLAlchemyError
 
-from tasks.errors import InvalidInput, Unavailable
+from tasks.errors import InvalidInput, NotFound, Unavailable
+from tasks.gateway.links import redis_call
 from tasks.schema import json_integer
 from tasks.state.model_load import model_report
 from webapp import tenancy
 from webapp.body import read_json
-from webapp.errors import error_response
+from webapp.errors import exception_response
 from webapp.services import services
 
 bp = Blueprint("admin", __name__, url_prefix="/v1/admin")
@@ -29,12 +30,12 @@ def _admin_only() -> None:
 
 @bp.errorhandler(SQLAlchemyError)
 def _database_down(exc: SQLAlchemyError) -> Response:
-    return error_response(503, Unavailable.type, f"the database is unreachable: {type(exc).__name__}")
+    return exception_response(Unavailable(f"the database is unreachable: {type(exc).__name__}"))
 
 
 @bp.errorhandler(ValueError)
 def _bad_value(exc: ValueError) -> Response:
-    return error_response(400, InvalidInput.type, str(exc))
+    return exception_response(InvalidInput(str(exc)))
 
 
 def _json_object() -> dict[str, Any]:
@@ -46,10 +47,10 @@ def _json_object() -> dict[str, Any]:
 
 @bp.get("/tenants")
 def list_tenants() -> Response:
-    gateway = services().gateway
-    tenants, now = services().keys.list_tenants(), gateway.clock()
-    # Redis away: 503, as every route that reads it through the gateway answers (not a 500)
-    in_flight = gateway.redis_call(lambda: [gateway.admission.tenant_in_flight(p.name, now) for p in tenants])
+    s = services()
+    tenants, now = s.keys.list_tenants(), s.clock()
+    # Redis away: 503, as every route that reads it answers (not a 500)
+    in_flight = redis_call(lambda: [s.admission.tenant_in_flight(p.name, now) for p in tenants])
     return jsonify(tenants=[{**asdict(p), "in_flight": n} for p, n in zip(tenants, in_flight)])
 
 
@@ -62,10 +63,11 @@ def set_tenant(name: str) -> Response:
     cap = json_integer(body.get("max_in_flight"))
     if cap is not None:
         body["max_in_flight"] = cap  # 5.0 is the integer 5, as JSON counts
-    kinds = {"weight": (int, float), "max_in_flight": (int,), "priority": (str,)}
+    kinds = {"weight": ((int, float), "a number"), "max_in_flight": ((int,), "an integer"),
+             "priority": ((str,), "a string")}
     for field, value in body.items():
-        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[field])):
-            raise InvalidInput(f"'{field}' must be a {'number' if field == 'weight' else kinds[field][0].__name__}")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, kinds[field][0])):
+            raise InvalidInput(f"'{field}' must be {kinds[field][1]}")
     return jsonify(asdict(services().keys.set_tenant(name, **body)))
 
 
@@ -95,13 +97,13 @@ def create_key() -> Response:
 @bp.delete("/keys/<key_id>")
 def revoke_key(key_id: str) -> Response:
     if not services().keys.revoke(key_id):
-        return error_response(404, "not_found", f"no active key with id {key_id!r}")
+        return exception_response(NotFound(f"no active key with id {key_id!r}"))
     return jsonify(id=key_id, revoked=True)
 
 
 @bp.get("/stats")
 def stats() -> Response:
-    gateway = services().gateway
-    workers, now = gateway.live_workers(), gateway.clock()  # the fleet may come from cache: the report reads Redis
-    return jsonify(models=gateway.redis_call(lambda: model_report(gateway.admission, workers, now,
-                                                                  services().settings.tenants.scale_headroom)))
+    s = services()
+    workers, now = s.gateway.live_workers(), s.clock()  # the fleet may come from cache: the report reads Redis
+    return jsonify(models=redis_call(lambda: model_report(s.admission, workers, now,
+                                                          s.settings.tenants.scale_headroom)))

@@ -37,11 +37,13 @@ def render(shape: Shape, model: str, answer: Answer, started: float | None = Non
     if shape.route == "infer":
         return native(answer, single=shape.single, started=started)
     created = int(answer.accepted_at)
+    tier = {"service_tier": shape.tier} if shape.tier else {}  # the tier that served it, when asked for one
     if shape.route == "completions":
         return completion_response(answer.request_id, model, answer.results, created=created,
-                                   choices=shape.choices)
+                                   choices=shape.choices) | tier
     if shape.route == "chat":
-        return chat_response(answer.request_id, model, answer.results, created=created, choices=shape.choices)
+        return chat_response(answer.request_id, model, answer.results, created=created, choices=shape.choices,
+                             tools=shape.tool_calls) | tier
     return embeddings_response(model, answer.results, shape.encoding)
 
 

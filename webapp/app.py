@@ -9,21 +9,32 @@ import json
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import replace
 
 from flask import Flask, Response, g, jsonify, request
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from tasks import tracing
 from tasks.config import Settings
-from tasks.gateway.calls import Answer
+from tasks.errors import Unauthorized
 from tasks.logs import setup_logging
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, count_refusal
 from tasks.state.records import Shape
-from webapp import admin_api, answers, batch_api, openai_api, openapi, requests_api, tenancy, worker
-from webapp.accept_door import AcceptDoor, Lines
+from webapp import (
+    adapters_api,
+    admin_api,
+    answers,
+    batch_api,
+    openai_api,
+    openapi,
+    requests_api,
+    responses_api,
+    tenancy,
+    worker,
+)
+from webapp.accept_door import AcceptDoor, QueueShedding
+from webapp.adapter_names import resolved
 from webapp.body import read_json
-from webapp.door import DoorMiddleware
+from webapp.door import DoorMiddleware, door_identity
 from webapp.errors import register_error_handlers
 from webapp.services import EXTENSION, Services, services
 from webapp.validation import parse_infer, request_id_from
@@ -35,14 +46,17 @@ OPENAI_PATHS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings")
 def create_app(settings: Settings | None = None) -> Flask:
     settings = settings or Settings.from_env()
     setup_logging(settings)
-    tracing.setup("llmb-api")  # off unless OTEL_TRACES_EXPORTER names an exporter
+    tracing.setup("llmb-api", tracing.CallerFlags.from_settings(settings, time.monotonic))  # off unless OTEL_... asks
     app = Flask(__name__, static_folder=None)  # no static files: every route is an API route
     app.config["MAX_CONTENT_LENGTH"] = settings.admission.max_body_bytes
     built = Services.from_settings(settings)  # the process's one set of clients, for every route
     app.extensions[EXTENSION] = built
-    app.wsgi_app = DoorMiddleware(app.wsgi_app, built.door, is_inference)  # type: ignore[method-assign]
-    # the same door, and the gateway's held refusals, before gunicorn parses a request
-    worker.at_accept = AcceptDoor(built.door, is_inference, Lines(built.gateway, built.tenants, settings))
+    identity = door_identity(settings, built.tenants)  # who the door counts a call as: its tenant
+    app.wsgi_app = DoorMiddleware(app.wsgi_app, built.door, is_inference, identity)  # type: ignore[method-assign]
+    # the same door, and the admission queue's view, before gunicorn parses a request (the worker finds them here)
+    shedding = QueueShedding(built.queue, built.tenants, settings)
+    built.arrivals.at_accept = AcceptDoor(built.door, is_inference, shedding, identity)
+    app.extensions[worker.ARRIVALS] = built.arrivals
 
     @app.before_request
     def _correlate() -> None:
@@ -59,16 +73,19 @@ def create_app(settings: Settings | None = None) -> Flask:
         return response
 
     if tracing.enabled():  # (off, a request runs no hook of it)
-        trace_calls(app, built.gateway.clock)
+        trace_calls(app, built.clock)
     register_error_handlers(app)
     app.register_blueprint(openai_api.bp)
     app.register_blueprint(admin_api.bp)
+    app.register_blueprint(adapters_api.bp)
     app.register_blueprint(requests_api.bp)
     app.register_blueprint(batch_api.bp)
+    app.register_blueprint(responses_api.bp)
     app.add_url_rule("/v1/infer", view_func=infer, methods=["POST"])
     app.add_url_rule("/healthz", view_func=healthz)
     app.add_url_rule("/readyz", view_func=readyz)
-    app.add_url_rule("/metrics", view_func=metrics)
+    if not settings.web.metrics_bind:  # else gunicorn serves it there (webapp/gunicorn_conf.py), and here is a 404
+        app.add_url_rule("/metrics", view_func=metrics)
     document = _document(settings)
 
     def openapi_json() -> Response:
@@ -86,9 +103,13 @@ def trace_calls(app: Flask, clock: Callable[[], float]) -> None:
     @app.before_request
     def _start_span() -> None:
         if is_inference(request.path):
-            g.span = tracing.start("llmb.call", request.headers.get("traceparent"), server=True, attributes={
-                "http.request.method": request.method, "url.path": request.path, "llmb.request_id": g.request_id},
-                at=clock() - (time.monotonic() - g.started))
+            parent = request.headers.get("traceparent")
+            attributes = {"http.request.method": request.method, "url.path": request.path,
+                          "llmb.request_id": g.request_id}
+            if tracing.sampled(parent):  # a flag any caller can send: the sampler weighs who sent it
+                attributes[tracing.AUTHENTICATED] = _has_live_key()
+            g.span = tracing.start("llmb.call", parent, server=True, attributes=attributes,
+                                   at=clock() - (time.monotonic() - g.started))
             g.trace = tracing.traceparent_of(g.span) if g.span is not None else None
 
     @app.after_request
@@ -108,8 +129,21 @@ def trace_calls(app: Flask, clock: Callable[[], float]) -> None:
         tracing.end(g.pop("span", None), clock(), error)
 
 
+def _has_live_key() -> bool:
+    """Whether the call shows a live API key (asked before its span starts, only of a call whose traceparent asks
+    to be sampled: its flag is honoured beyond the per-process rate only for a tenant, :class:`tracing.CallerFlags`);
+    the key's lookup is cached, so the route's own authentication right after costs nothing more."""
+    if services().settings.tenants.auth == "none":
+        return False
+    try:
+        services().tenants.principal(tenancy.bearer_key())
+    except Unauthorized:
+        return False
+    return True
+
+
 def is_inference(path: str) -> bool:
-    return path == "/v1/infer" or path.startswith(OPENAI_PATHS)
+    return path in ("/v1/infer", "/v1/responses") or path.startswith(OPENAI_PATHS)
 
 
 def log_outcome(response: Response) -> None:
@@ -138,16 +172,11 @@ def infer() -> Response:
     body = read_json(settings)
     call = parse_infer(body, settings, g.request_id, g.claimed_tenant)
     # without keys the body's "tenant" names the caller (over X-Tenant); with keys it must be the key's
-    call = tenancy.bind_caller(call, claimed_tenant=body.get("tenant") or g.claimed_tenant)
+    call = resolved(tenancy.bind_caller(call, claimed_tenant=body.get("tenant") or g.claimed_tenant))
     shape = Shape("infer", single="input" in body)
     answer = answers.noted(services().gateway.submit(call, shape=shape, idempotency=answers.idempotency(body)))
     g.batch_ids = list(dict.fromkeys(r.batch_id for r in answer.results))
     return jsonify(answers.render(shape, call.model, answer, started=g.started))
-
-
-def _render(request_id: str, answer: Answer, *, single: bool, started: float) -> dict[str, object]:
-    """/v1/infer's answer body for ``request_id`` (:func:`webapp.answers.native`)."""
-    return answers.native(replace(answer, request_id=request_id, total_ms=None), single=single, started=started)
 
 
 def healthz() -> Response:
@@ -155,7 +184,7 @@ def healthz() -> Response:
 
 
 def readyz() -> Response:
-    return jsonify(status="ready", **services().gateway.ping())
+    return jsonify(status="ready", **services().ping())
 
 
 def _document(settings: Settings) -> bytes:

@@ -9,7 +9,8 @@ whose lines go through the same gateway as every other request, at offline prior
 
 Uploads are read by :mod:`webapp.uploads` (streamed into the file store under the body deadline, the file size
 limit and the tenant's quota); files expire (``expires_after``, ``output_expires_after``, else
-``LLMB_FILES_EXPIRE_S``) and are then not found.
+``LLMB_FILES_EXPIRE_S``) and are then not found. A tenant's batches not yet ended, and the lines they hold in the
+database, are bounded (``LLMB_JOBS_TENANT_MAX_ACTIVE``, ``LLMB_JOBS_TENANT_MAX_LINES``: 403 ``quota_exceeded``).
 """
 from __future__ import annotations
 
@@ -18,14 +19,14 @@ from typing import Any
 from flask import Blueprint, Response, current_app, g, jsonify, request, send_file
 from sqlalchemy.exc import SQLAlchemyError
 
-from tasks.errors import BatchingError, InvalidInput, Unavailable
+from tasks.errors import InvalidInput, NotFound, Unavailable
 from tasks.policy.batchfile import COMPLETION_WINDOWS, ENDPOINTS, check_filename, download_name, expiry_s
 from tasks.policy.tenancy import check_tenant_name
 from tasks.store.files import FileStore
 from tasks.store.jobs import FINAL, JobStore
 from webapp import tenancy
 from webapp.body import read_json
-from webapp.errors import OPENAI, error_response, register_error_handlers
+from webapp.errors import OPENAI, exception_response, register_error_handlers
 from webapp.services import services
 from webapp.uploads import read_upload
 
@@ -36,16 +37,9 @@ MAX_PAGE = 100
 STORES = "llmb.batch"  # app.extensions key of the stores
 
 
-class NotFound(BatchingError):
-    """A file or batch that is not the caller's tenant's (or does not exist)."""
-
-    status = 404
-    type = "not_found"
-
-
 @bp.errorhandler(SQLAlchemyError)
 def _database_down(exc: SQLAlchemyError) -> Response:
-    return error_response(503, Unavailable.type, f"the database is unreachable: {type(exc).__name__}", shape=OPENAI)
+    return exception_response(Unavailable(f"the database is unreachable: {type(exc).__name__}"), OPENAI)
 
 
 def _stores() -> tuple[FileStore, JobStore]:
@@ -53,8 +47,7 @@ def _stores() -> tuple[FileStore, JobStore]:
     found = current_app.extensions.get(STORES)
     if found is None:
         s = services()
-        found = current_app.extensions[STORES] = (FileStore.from_settings(s.settings, s.keys.engine,
-                                                                          s.gateway.clock),
+        found = current_app.extensions[STORES] = (FileStore.from_settings(s.settings, s.keys.engine, s.clock),
                                                   JobStore.from_settings(s.settings, s.keys.engine))
     return found
 
@@ -182,8 +175,10 @@ def create_batch() -> Response:
     info = _file(input_file_id)
     if info.purpose != "batch":
         raise InvalidInput(f"file {input_file_id!r} is not a batch input file (its purpose is {info.purpose!r})")
-    job = _stores()[1].create(_tenant(), endpoint, input_file_id, window, metadata, services().gateway.clock(),
-                              output_expires)
+    _stores()[0].check_quota(_tenant())  # its output and error files will count against the files quota
+    bounds = services().settings.jobs
+    job = _stores()[1].create(_tenant(), endpoint, input_file_id, window, metadata, services().clock(),
+                              output_expires, max_active=bounds.tenant_max_active, max_lines=bounds.tenant_max_lines)
     return jsonify(job.to_openai())
 
 
@@ -208,7 +203,7 @@ def get_batch(batch_id: str) -> Response:
 @tenancy.authenticated
 def cancel_batch(batch_id: str) -> Response:
     jobs = _stores()[1]
-    job = jobs.cancel(batch_id, _tenant(), services().gateway.clock())
+    job = jobs.cancel(batch_id, _tenant(), services().clock())
     if job is None:
         raise NotFound(f"no batch with id {batch_id!r}")
     if job.status in FINAL and job.status != "cancelled":

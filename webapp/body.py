@@ -7,11 +7,12 @@ strictly, so that no body can cost a 500 or hold a connection for ever.
   (gunicorn's gevent worker monkey-patches the socket module) a ``gevent.Timeout`` interrupts the read
   wherever it blocks; without gevent a watchdog thread shuts the socket's read side at the deadline, and the
   deadline is checked between reads where no socket is exposed (the Flask test client).
-* Content: UTF-8 JSON only (RFC 8259). Malformed JSON, NaN/Infinity, nesting too deep for the parser and
-  lone UTF-16 surrogate escapes (``"\\ud800"``: valid JSON syntax, but no Unicode text, so they would break the
-  first UTF-8 encode downstream) are refused with 400 and a message that says what is wrong and where. The
-  surrogate check walks the value only when the raw bytes hold a ``\\ud8``-``\\udf`` escape: normal bodies pay
-  one ``bytes.find``.
+* Content: UTF-8 JSON only (RFC 8259). Malformed JSON, numbers that are no JSON number (NaN, Infinity, 1e400,
+  an integer of more than 4,300 digits: :mod:`tasks.policy.strict_json`, naming the field), nesting too deep for
+  the parser and lone UTF-16 surrogate escapes (``"\\ud800"``: valid JSON syntax, but no Unicode text, so they
+  would break the first UTF-8 encode downstream) are refused with 400 and a message that says what is wrong and
+  where. The surrogate check walks the value only when the raw bytes hold a ``\\ud8``-``\\udf`` escape: normal
+  bodies pay one ``bytes.find``.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from werkzeug.exceptions import ClientDisconnected, RequestTimeout
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput, PayloadTooLarge
+from tasks.policy import strict_json
 
 CHUNK_BYTES = 64 * 1024
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -53,26 +55,22 @@ def parse_json(raw: bytes) -> Any:
         raise InvalidInput(f"the body is not UTF-8 text (byte {exc.start} is {raw[exc.start]:#04x}); "
                            "send JSON encoded as UTF-8") from None
     try:
-        value = _DECODER.decode(text)
+        value = strict_json.loads(text)
+    except strict_json.NotANumber as exc:
+        where = f" in '{exc.path}'" if exc.path else ""
+        raise InvalidInput(f"the body holds {exc.shown}{where}, which is no JSON number this service reads: "
+                           f"{exc.rule}") from None
     except json.JSONDecodeError as exc:
         raise InvalidInput(f"the body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") \
             from None
     except RecursionError:
         raise InvalidInput("the body is nested too deeply to parse; requests need a flat JSON object, "
                            f"{EXAMPLE}") from None
-    except ValueError as exc:  # NaN/Infinity, or an integer of more digits than Python converts
-        reason = "it holds a number too long to read" if "digits" in str(exc) else str(exc)
-        raise InvalidInput(f"the body is not valid JSON: {reason}") from None
+    except ValueError as exc:  # none known: the parser's other refusals, said as it says them
+        raise InvalidInput(f"the body is not valid JSON: {exc}") from None
     if b"\\u" in raw and SURROGATE_ESCAPE.search(raw):
         _check_unicode(value)
     return value
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value (use a number or null)")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def _check_unicode(value: Any) -> None:

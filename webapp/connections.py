@@ -19,8 +19,9 @@ Every close that follows an answer (``Connection: close``, a 408, gunicorn's own
 :data:`LINGER_S`, so that the client reads the answer instead of a reset (closing a socket with unread bytes
 makes the kernel send RST, and the client's kernel may then drop the answer it had not read yet).
 
-When the worker stops, idle connections are closed at once (nothing is lost; a pooled client opens another),
-so a graceful stop waits only for requests in progress.
+When the worker stops, a request arriving on a kept-alive connection within :data:`STOP_GRACE_S` is answered
+with ``Connection: close``, and the connections still idle then are closed (nothing is lost; a pooled client
+opens another), so a graceful stop waits only for requests in progress and that moment.
 """
 from __future__ import annotations
 
@@ -33,10 +34,17 @@ from collections.abc import Callable
 from typing import Any
 
 import gevent
+import gevent.socket
 
 from webapp.errors import NATIVE, shape_for
 from webapp.intake import Intake
 
+# On a graceful stop, idle kept-alive connections stay open this long: a request arriving on one is answered (with
+# Connection: close) instead of racing the close. A connection still idle after it has been idle longer than httpx
+# (the openai client) keeps one in its pool (5 s), so that client never sends on one as it is closed; others
+# (urllib3, aiohttp) check a pooled connection for a close before they reuse it, and a pool under load reuses its
+# connections well within it. With 1 s, 2 of 3,731 calls met a closing connection during a SIGHUP reload.
+STOP_GRACE_S = 5.5
 LINGER_S = 2.0  # most time a lingering close reads what the client still sends (nginx: lingering_timeout 5 s)
 LINGER_BYTES = 1 << 20  # ... and at most this much of it
 
@@ -54,11 +62,18 @@ class _Stopping(Exception):
 
 
 class IdleConnections:
-    """The connections waiting for their next request, so that a stopping worker closes them at once."""
+    """The connections waiting for their next request, so that a stopping worker closes them at once.
+
+    Each idle wait is on a read watcher of its own, and a stop cancels exactly those waits (gevent's
+    ``cancel_wait``, which throws only into a greenlet still blocked on that watcher). Killing the waiting
+    greenlets instead (``gevent.killall``, asynchronous) raced requests whose bytes had just come: the kill
+    landed after the wait had ended, inside the request's handling, which then answered 500 or dropped the
+    connection mid-request (5 calls of 5,793 during a SIGHUP reload, and a worker stuck until gunicorn's
+    graceful timeout killed what it held)."""
 
     def __init__(self) -> None:
         self.stopping = False
-        self._waiting: set[gevent.Greenlet] = set()
+        self._waiting: dict[gevent.Greenlet, Any] = {}  # greenlet -> the read watcher it waits on
 
     def wait(self, sock: socket.socket, timeout_s: float, kept: bool = True) -> float | None:
         """Wait until ``sock`` has bytes to read: when they arrived (monotonic: the kernel's stamp of the first
@@ -76,24 +91,40 @@ class IdleConnections:
                 pass
             if kept and self.stopping:
                 return None
-            me = gevent.getcurrent()
-            if kept:
-                self._waiting.add(me)
-            try:
-                sock.settimeout(timeout_s)
-                got, stamp = _peek_stamped(sock)
-                return (stamp or time.monotonic()) if got else None
-            finally:
-                self._waiting.discard(me)
-        except (_Stopping, OSError):  # socket.timeout is an OSError
+            if not self._readable(sock, timeout_s, kept):
+                return None
+            got, stamp = _peek_stamped(sock)
+            return (stamp or time.monotonic()) if got else None
+        except (_Stopping, OSError):  # a spurious wake-up (BlockingIOError) ends the connection as a time-out does
             return None
         finally:
             with contextlib.suppress(OSError):
                 sock.settimeout(timeout)
 
+    def _readable(self, sock: socket.socket, timeout_s: float, kept: bool) -> bool:
+        """Block until ``sock`` is readable (True) or ``timeout_s`` passed (False); _Stopping when a stop cancels
+        the wait of a ``kept`` connection."""
+        watcher = gevent.get_hub().loop.io(sock.fileno(), 1)
+        me = gevent.getcurrent()
+        if kept:
+            self._waiting[me] = watcher
+        try:
+            gevent.socket.wait(watcher, timeout=timeout_s, timeout_exc=_IdleTimeout)
+            return True
+        except _IdleTimeout:
+            return False
+        finally:
+            self._waiting.pop(me, None)
+            watcher.close()
+
     def stop(self) -> None:
         self.stopping = True
-        gevent.killall(list(self._waiting), exception=_Stopping, block=False)
+        for watcher in list(self._waiting.values()):
+            gevent.socket.cancel_wait(watcher, _Stopping)
+
+
+class _IdleTimeout(Exception):
+    """An idle connection's wait for its next request ran out."""
 
 
 IDLE = IdleConnections()
@@ -138,7 +169,7 @@ class NextRequest:
                  refuse: Callable[[socket.socket, float | None, bool], bool] | None = None) -> None:
         self.sock = sock
         self.intake = intake
-        self.refuse = refuse  # the door refusing from the bytes (webapp.door.AcceptDoor): True if it answered
+        self.refuse = refuse  # the door refusing from the bytes (webapp.accept_door.AcceptDoor): True if it answered
         self.first = first
         self.parser = parser  # gunicorn's RequestParser of the connection
         self.body_s = body_s
@@ -147,13 +178,18 @@ class NextRequest:
         self.header_s = header_s
         self.timer: gevent.Timeout | None = None
         self.expired = HeaderTimeout()
+        self.held = False  # the parser held this request's bytes (pipelined): the door at the socket steps aside
 
     def __enter__(self) -> NextRequest:
         # what the app left unread of the previous body (a refusal before reading it) is read and dropped first,
         # under the body's own time limit: the header timer starts at the next request's first byte
         if not self.parser.finish_body(deadline=time.monotonic() + self.body_s):
             raise StopIteration("the previous body did not end in time")
-        if not self._buffered():
+        # a pipelined request the parser already holds (some or all of it) is not what the socket's bytes are: they
+        # are a later request's, or this one's rest. The door steps aside for it: it is taken in at the process's
+        # pace and judged once parsed, as any request is (webapp.door.DoorMiddleware), never by another's bytes
+        self.held = self._buffered() > 0
+        if not self.held:
             seen = IDLE.wait(self.sock, self.idle_s, kept=not self.first)
             if seen is None:
                 raise StopIteration("idle")  # gunicorn's keep-alive loop closes the connection
@@ -177,8 +213,11 @@ class NextRequest:
 
     def _refuse_if_behind(self, waited_s: float | None) -> None:
         """Let the door refuse the request from its bytes: as it arrives (None: by its place in its model's line,
-        and by the line ahead of it in this process), or by the time it waited for its turn."""
-        if self.refuse is not None and self.refuse(self.sock, waited_s, waited_s is None):
+        and by the line ahead of it in this process), or by the time it waited for its turn. Not a request the parser
+        holds (:attr:`held`): the socket's bytes are not its own."""
+        if self.refuse is not None and not self.held and self.refuse(self.sock, waited_s, waited_s is None):
+            if unread(self.sock):  # pipelined requests behind it: closing now would reset the connection
+                linger_close(self.sock)
             raise StopIteration("refused from its bytes")
 
     def _buffered(self) -> int:
@@ -195,6 +234,20 @@ class NextRequest:
                     f"the request's headers did not all arrive within {self.header_s:g} s of its first byte "
                     "(LLMB_HEADER_TIMEOUT_S)")
         return True  # no request: gunicorn ends the connection
+
+
+def unread(sock: socket.socket) -> bool:
+    """Whether the client sent bytes nothing has read (requests pipelined behind one the door refused and took off
+    the socket): closing now would send RST, and the client might lose the refusal, so the close must linger."""
+    timeout = sock.gettimeout()
+    try:
+        sock.settimeout(0.0)
+        return bool(sock.recv(1, socket.MSG_PEEK))
+    except OSError:
+        return False
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(timeout)
 
 
 def linger_close(sock: socket.socket) -> None:

@@ -19,16 +19,49 @@ from tasks.errors import QueueFull
 from tasks.gateway.gate import Gate
 from tasks.policy.shedding import Door
 from tasks.state.metrics import HTTP_REQUESTS
-from webapp.errors import NATIVE, OPENAI
+from webapp.errors import NATIVE, OPENAI, status_of
 from webapp.peek import PEEK_MAX_BYTES, tenant_of
-from webapp.validation import request_id_from
-from webapp.worker import arrival, backlog
+from webapp.validation import bearer_token, request_id_from
+from webapp.worker import arrival
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
     from _typeshed.wsgi import WSGIApplication as WSGIApp
 
+    from tasks.store.directory import TenantDirectory
+
 PEEK_TIMEOUT_S = 0.05
+UNAUTHENTICATED = "(unauthenticated)"  # every caller without a known key, as one (not a tenant name)
+NAME_MAX = 64  # a tenant name's longest: a longer X-Tenant is cut, not counted as a caller of its own
+
+
+class DoorIdentity:
+    """Who the door counts a call as (:class:`tasks.policy.callers.RecentCallers`): its tenant, never its header
+    bytes. With keys, the tenant of the bearer token as memory knows it (:meth:`TenantDirectory.known_caller`:
+    no query, no wait), the token read as authentication reads it (:func:`webapp.validation.bearer_token`), so
+    spellings of one key are one caller; any key memory does not know is the one caller :data:`UNAUTHENTICATED`
+    (authentication answers it 401), so a flood of random keys is one heavy caller. Without keys (``tenants``
+    None), the tenant the call names: its X-Tenant header, trimmed and cut to a tenant name's length, or "" (its
+    body may name it: the door reads that only when it needs to, :attr:`in_body`)."""
+
+    def __init__(self, tenants: TenantDirectory | None = None) -> None:
+        self.tenants = tenants
+
+    def __call__(self, authorization: str | None, x_tenant: str | None) -> str:
+        if self.tenants is None:
+            return (x_tenant or "").strip()[:NAME_MAX]
+        key = bearer_token(authorization or "")
+        return (key and self.tenants.known_caller(key)) or UNAUTHENTICATED
+
+    @property
+    def in_body(self) -> bool:
+        """Whether a call may name its tenant in its body (without keys)."""
+        return self.tenants is None
+
+
+def door_identity(settings: Settings, tenants: TenantDirectory) -> DoorIdentity:
+    """The process's door identity: by key with ``LLMB_AUTH=keys``, else by the tenant a call names."""
+    return DoorIdentity(None if settings.tenants.auth == "none" else tenants)
 
 
 def process_share(settings: Settings) -> int:
@@ -36,8 +69,10 @@ def process_share(settings: Settings) -> int:
     return math.ceil((settings.admission.cap + settings.admission.offline_cap) / max(1, settings.web.workers))
 
 
-def door_from_settings(settings: Settings, gate: Gate | None = None) -> Door:
-    """The process's door: its share of the caps, its delay bound, its gate and the server's backlog."""
+def door_from_settings(settings: Settings, gate: Gate | None = None,
+                       backlog: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> Door:
+    """The process's door: its share of the caps, its delay bound, its gate and the server's backlog
+    (:meth:`webapp.worker.Arrivals.backlog`)."""
     return Door(process_share(settings), settings.admission.retry_after_s, settings.admission.door_max_delay_s,
                 gate=gate, backlog=backlog)
 
@@ -48,21 +83,23 @@ class DoorMiddleware:
     refusing a burst costs a small fraction of serving it. Requests let in are counted until their
     response is closed (a stream included). ``environ["llmb.arrived_at"]`` carries the arrival time on."""
 
-    def __init__(self, app: WSGIApp, door: Door, is_inference: Callable[[str], bool]) -> None:
+    def __init__(self, app: WSGIApp, door: Door, is_inference: Callable[[str], bool],
+                 identity: DoorIdentity | None = None) -> None:
         self.app = app
         self.door = door
         self.is_inference = is_inference
+        self.identity = identity or DoorIdentity()
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         environ["llmb.arrived_at"], ready_at = arrival()
         if environ.get("REQUEST_METHOD") != "POST" or not self.is_inference(environ.get("PATH_INFO", "")):
             return self.app(environ, start_response)
         try:
-            self.door.enter(ready_at, environ.get("HTTP_AUTHORIZATION") or environ.get("HTTP_X_TENANT") or "",
-                            lambda: _tenant_in_body(environ))
+            caller = self.identity(environ.get("HTTP_AUTHORIZATION"), environ.get("HTTP_X_TENANT"))
+            self.door.enter(ready_at, caller, (lambda: _tenant_in_body(environ)) if self.identity.in_body else None)
         except QueueFull as exc:
             headers, body = refusal(exc, environ.get("PATH_INFO", ""), environ.get("HTTP_X_REQUEST_ID"))
-            start_response(f"{exc.status} Too Many Requests", headers)
+            start_response(f"{status_of(exc.type)} Too Many Requests", headers)
             return [body]
         try:
             return _LeaveWhenDone(self.app(environ, start_response), self.door.leave)
@@ -73,10 +110,11 @@ class DoorMiddleware:
 
 def refusal(error: QueueFull, path: str, request_id: str | None) -> tuple[list[tuple[str, str]], bytes]:
     """A door's ready-made 429: its headers and JSON body (the native or OpenAI shape, by path)."""
-    HTTP_REQUESTS.labels(str(error.status), error.type).inc()  # no log line: it would cost more than the refusal
+    # no log line: it would cost more than the refusal
+    HTTP_REQUESTS.labels(str(status_of(error.type)), error.type).inc()
     request_id = request_id_from(request_id)
     shape = NATIVE if path == "/v1/infer" else OPENAI
-    body = json.dumps(shape.body(error.status, error.type, error.message, request_id)).encode()
+    body = json.dumps(shape.of(error, request_id)).encode()
     return [("Content-Type", "application/json"), ("Content-Length", str(len(body))),
             ("Retry-After", str(error.retry_after_s or 1)), ("X-Request-Id", request_id)], body
 
@@ -126,6 +164,6 @@ def _tenant_in_body(environ: WSGIEnvironment) -> str:
     except (gevent.Timeout, OSError, ValueError):
         return ""
     environ["wsgi.input"] = io.BytesIO(body)
-    return tenant_of(body)
+    return tenant_of(body)[:NAME_MAX]
 
 

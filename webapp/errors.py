@@ -1,5 +1,6 @@
 """Every failure becomes JSON, mapped here once: exception -> status, type and message in :func:`exception_response`,
-written in the body shape of the API family that was called (an :class:`ErrorShape`).
+written in the body shape of the API family that was called (an :class:`ErrorShape`). Domain errors
+(:mod:`tasks.errors`) are only a type and a message: :data:`STATUSES` is the one table of their HTTP statuses.
 
 * native: ``{"error": {"type", "message", "request_id"}}``
 * OpenAI-compatible: ``{"error": {"message", "type", "param", "code"}}`` (what the official client parses), for
@@ -20,11 +21,54 @@ from dataclasses import dataclass
 from functools import partial
 
 from flask import Blueprint, Flask, Response, current_app, g, jsonify, request
-from werkzeug.exceptions import HTTPException, MethodNotAllowed, NotFound
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
+from werkzeug.exceptions import NotFound as HTTPNotFound
 
-from tasks.errors import BatchingError
+from tasks.errors import (
+    AdapterConflict,
+    AdapterLimit,
+    BatchingError,
+    ContextLengthExceeded,
+    DeadlineExceeded,
+    Forbidden,
+    IdempotencyConflict,
+    IdempotencyInProgress,
+    InferenceFailed,
+    InvalidInput,
+    ModelNotFound,
+    NotFound,
+    NotResumable,
+    Overloaded,
+    PayloadTooLarge,
+    PoisonInput,
+    QueueFull,
+    QuotaExceeded,
+    RecordUnreadable,
+    RetriesExhausted,
+    StorageFull,
+    TenantOverLimit,
+    Unauthorized,
+    Unavailable,
+)
 
 log = logging.getLogger("llmb.web")
+
+# The HTTP status of each domain error's type (tests/test_error_shapes.py checks that every type has one).
+STATUSES: dict[str, int] = {
+    InvalidInput.type: 400, ContextLengthExceeded.type: 400, Unauthorized.type: 401, Forbidden.type: 403,
+    QuotaExceeded.type: 403, NotFound.type: 404, ModelNotFound.type: 404, IdempotencyConflict.type: 409,
+    IdempotencyInProgress.type: 409, NotResumable.type: 409, RecordUnreadable.type: 409,
+    PayloadTooLarge.type: 413, PoisonInput.type: 422, QueueFull.type: 429, TenantOverLimit.type: 429,
+    Overloaded.type: 429, BatchingError.type: 500, InferenceFailed.type: 500, Unavailable.type: 503,
+    RetriesExhausted.type: 503, DeadlineExceeded.type: 504, StorageFull.type: 507,
+    AdapterConflict.type: 409, AdapterLimit.type: 403,
+}
+
+
+def status_of(type_: str) -> int:
+    """The HTTP status of a domain error's type (an unknown one, a newer version's, is a 500)."""
+    return STATUSES.get(type_, 500)
+
 
 HTTP_TYPES = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed", 408: "request_timeout",
               413: "payload_too_large", 415: "unsupported_media_type"}
@@ -60,6 +104,10 @@ class ErrorShape:
     body: Callable[[int, str, str, str | None], dict[str, object]]
     http_type: Callable[[int, HTTPException], str]
 
+    def of(self, error: BatchingError, request_id: str | None) -> dict[str, object]:
+        """The body of a domain error, its status from :data:`STATUSES`."""
+        return self.body(status_of(error.type), error.type, error.message, request_id)
+
 
 NATIVE = ErrorShape(body=lambda status, type_, message, request_id: error_body(type_, message, request_id),
                     http_type=lambda status, exc: HTTP_TYPES.get(status, "http_error"))
@@ -80,12 +128,12 @@ def error_response(status: int, type_: str, message: str, retry_after_s: int | N
 
 
 def exception_response(exc: Exception, shape: ErrorShape = NATIVE) -> Response:
-    """The one mapping of an exception to its answer: a BatchingError says its own status and type, an
-    HTTPException its code, anything else is a logged 500."""
+    """The one mapping of an exception to its answer: a BatchingError's status is its type's (:data:`STATUSES`),
+    an HTTPException's its code, anything else is a logged 500."""
     if isinstance(exc, BatchingError):
         if exc.replay_of:  # an idempotent retry answered with the first call's error: under the first's id
             g.request_id, g.replayed = exc.replay_of, True
-        return error_response(exc.status, exc.type, exc.message, exc.retry_after_s, shape)
+        return error_response(status_of(exc.type), exc.type, exc.message, exc.retry_after_s, shape)
     if isinstance(exc, HTTPException):
         status = exc.code or 500
         message = exc.description or exc.name
@@ -94,7 +142,7 @@ def exception_response(exc: Exception, shape: ErrorShape = NATIVE) -> Response:
         allowed = sorted(exc.valid_methods or ()) if isinstance(exc, MethodNotAllowed) else None
         if allowed:  # a 405 says what the path takes, in its message and its Allow header
             message = f"{request.method} is not allowed on {request.path}; it takes {', '.join(allowed)}"
-        elif isinstance(exc, NotFound) and request.url_rule is None:  # routing's, not a view's "no such batch"
+        elif isinstance(exc, HTTPNotFound) and request.url_rule is None:  # routing's, not a view's "no such batch"
             message = f"unrecognised request URL ({request.method} {request.path}): no route of this service has it"
         response = error_response(status, shape.http_type(status, exc), message, shape=shape)
         if allowed:

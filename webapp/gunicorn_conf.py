@@ -13,12 +13,16 @@ request's headers must arrive within ``LLMB_HEADER_TIMEOUT_S`` of its first byte
 
 Prometheus counters of the API processes use prometheus_client's multiprocess mode: each worker writes
 its figures to files in PROMETHEUS_MULTIPROC_DIR (a fresh folder per server unless you set one), and
-/metrics adds them up across workers.
+/metrics adds them up across workers. With ``LLMB_METRICS_BIND`` /metrics is served on that address instead of the
+API's (its series name tenants: operators keep it off the public port): the master binds it once, before it forks
+(a port already taken stops the server at its start), and every worker serves it beside the API, as gunicorn
+shares its own listener; whichever worker accepts a scrape answers it with every process's figures.
 """
 import math
 import os
 import resource
 import shutil
+import socket
 import tempfile
 from typing import Any
 
@@ -60,7 +64,7 @@ workers = _settings.web.workers
 worker_class = "webapp.worker.ArrivalTimingWorker"  # gevent, noting when connections arrive
 worker_connections = connections_per_worker(_settings)
 backlog = max(2048, worker_connections)  # the kernel caps it at net.core.somaxconn
-graceful_timeout = 10
+graceful_timeout = math.ceil(_settings.web.graceful_s)  # calls held at SIGTERM are answered, not cut
 keepalive = max(1,
                 math.ceil(_settings.web.keepalive_s))  # idle keep-alive (webapp.connections); > 0: the keep-alive loop
 accesslog = None  # one structured line per request comes from the app instead
@@ -98,9 +102,47 @@ def on_starting(server: Any) -> None:
                            "is dropped by the kernel; raise it with sysctl", somaxconn, backlog)
 
 
+_metrics_listener: socket.socket | None = None  # LLMB_METRICS_BIND's, bound by the master, inherited by each worker
+
+
+def listen(address: str) -> socket.socket:
+    """A listening socket on ``address`` (``host:port``, ``[v6]:port``), for the workers to inherit."""
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"LLMB_METRICS_BIND must read host:port, not {address!r}")
+    family, kind, proto, _, where = socket.getaddrinfo(host.strip("[]"), int(port), type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(where)
+    sock.listen(64)
+    return sock
+
+
+def when_ready(server: Any) -> None:  # in the master, before the first fork
+    global _metrics_listener
+    if _settings.web.metrics_bind and _metrics_listener is None:
+        _metrics_listener = listen(_settings.web.metrics_bind)
+        server.log.info("/metrics served on %s (not on %s)", _settings.web.metrics_bind, bind)
+
+
+def serve_metrics(inherited: socket.socket, app: Any) -> None:
+    """Serve the metrics registry of ``app`` (:func:`webapp.create_app`'s) on the inherited listener, in this
+    gevent worker beside the API (any path answers, as prometheus_client's own server does)."""
+    import gevent.socket
+    from gevent.pywsgi import WSGIServer
+    from prometheus_client import make_wsgi_app
+
+    from webapp.services import services
+
+    own = gevent.socket.socket(inherited.family, inherited.type, inherited.proto, fileno=os.dup(inherited.fileno()))
+    WSGIServer(own, make_wsgi_app(services(app).metrics), log=None).start()
+
+
 def post_worker_init(worker: Any) -> None:
     from tasks.heap import settle
 
+    if _metrics_listener is not None:
+        serve_metrics(_metrics_listener, worker.wsgi)
     settle()  # the app is loaded: freeze it out of the garbage collector's full collections
 
 

@@ -29,14 +29,16 @@ from tasks.jobs.feeder import Feeder
 from tasks.jobs.job_run import LineResult
 from tasks.logs import setup_logging
 from tasks.policy.batchfile import idempotency_key
+from tasks.policy.refusal import not_served
 from tasks.policy.tenancy import Principal
 from tasks.schema import Priority
 from tasks.state.records import Idempotency, Shape
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobInfo, JobStore, Line
+from webapp.adapter_names import resolve, shown_model
 from webapp.answers import render
 from webapp.body import parse_json
-from webapp.errors import error_body, openai_error_body
+from webapp.errors import NATIVE, OPENAI, status_of
 from webapp.openai_api import KIND_FOR
 from webapp.openai_schema import parse_chat, parse_completion, parse_embeddings
 from webapp.services import Services
@@ -46,13 +48,6 @@ log = logging.getLogger("llmb.jobs")
 
 ROUTE = {"/v1/completions": "completions", "/v1/chat/completions": "chat", "/v1/embeddings": "embeddings",
          "/v1/infer": "infer"}
-
-
-class ModelNotServed(BatchingError):
-    """No live worker serves the line's model (yet): the line is tried again a few times, then fails with 404."""
-
-    status = 404
-    type = "model_not_found"
 
 
 class LineRunner:
@@ -77,11 +72,10 @@ class LineRunner:
             key = idempotency_key(job.id, line.custom_id) + (f".{generation}" if generation else "")
             idempotency = Idempotency.of(key, job.endpoint, body)
             answer = self.services.gateway.submit(call, shape=shape, idempotency=idempotency)
-            return LineResult(200, render(shape, call.model, answer, started), ran=not answer.replayed)
+            return LineResult(200, render(shape, shown_model(call), answer, started), ran=not answer.replayed)
         except BatchingError as exc:
-            body = (error_body(exc.type, exc.message, line.request_id) if native
-                    else openai_error_body(exc.status, exc.type, exc.message))
-            return LineResult(exc.status, body, exc.type, exc.retry_after_s)
+            body = (NATIVE if native else OPENAI).of(exc, line.request_id)
+            return LineResult(status_of(exc.type), body, exc.type, exc.retry_after_s)
 
     def _call(self, job: JobInfo, body: Any, request_id: str, started: float) -> tuple[Call, Shape]:
         settings = self.parse_settings
@@ -93,10 +87,10 @@ class LineRunner:
         shape = Shape(route)
         if route == "completions":
             call, _ = parse_completion(body, settings, request_id, job.tenant)
-            shape = Shape(route, choices=call.params.get("n", 1))
+            shape = Shape(route, choices=call.params.n)
         elif route == "chat":
             call, _ = parse_chat(body, settings, request_id, job.tenant)
-            shape = Shape(route, choices=call.params.get("n", 1))
+            shape = Shape(route, choices=call.params.n)
         elif route == "embeddings":
             call, encoding = parse_embeddings(body, settings, request_id, job.tenant)
             shape = Shape(route, encoding=encoding)
@@ -106,28 +100,30 @@ class LineRunner:
                                 "tenant out")
             call = parse_infer(body, settings, request_id, job.tenant)
             shape = Shape(route, single="input" in body)
-        if route in KIND_FOR:
-            self._check_model(call.model, route)
         principal = Principal(tenant=self.services.tenants.policy(job.tenant), key_id="", admin=False)
         call = bind(replace(call, priority=Priority.OFFLINE), principal, self.services.settings, received_at=started)
+        call = resolve(call, self.services.adapters, self.services.served_models)  # as every route does
+        if route in KIND_FOR:
+            self._check_model(call, route)
         return call, shape
 
-    def _check_model(self, model: str, route: str) -> None:
+    def _check_model(self, call: Call, route: str) -> None:
         kinds = {w.model: w.kind for w in self.services.gateway.live_workers()}
+        model, named = call.model, shown_model(call)
         if model not in kinds:
-            served = ", ".join(sorted(kinds)) or "none"
-            raise ModelNotServed(f"the model {model!r} is not served here (models served now: {served})")
+            raise not_served(named, list(kinds))
         if kinds[model] not in KIND_FOR[route]:
-            raise InvalidInput(f"the model {model!r} is a {kinds[model]} model; it cannot serve this endpoint")
+            what = f"an adapter of {model!r}, " if named != model else ""
+            raise InvalidInput(f"the model {named!r} is {what}a {kinds[model]} model; it cannot serve this endpoint")
 
 
 def build(settings: Settings) -> Feeder:
     """The feeder of one llmb-jobs process, over the same services an API process builds."""
     services = Services.from_settings(settings)
     return Feeder(JobStore.from_settings(settings, services.keys.engine),
-                  FileStore.from_settings(settings, services.keys.engine, services.gateway.clock),
+                  FileStore.from_settings(settings, services.keys.engine, services.clock),
                   LineRunner(services), settings,
-                  clock=services.gateway.clock)
+                  clock=services.clock)
 
 
 @click.command()

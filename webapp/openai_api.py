@@ -17,13 +17,16 @@ from flask import Blueprint, Response, g, jsonify
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
 from tasks.gateway.calls import Answer, Call
+from tasks.policy.refusal import not_served
 from tasks.policy.stream_position import Position
 from tasks.schema import Priority
 from tasks.state.records import Shape
-from webapp import answers, sse, tenancy
+from webapp import answers, openai_fields, sse, tenancy
+from webapp.adapter_names import resolved, shown_model
 from webapp.body import read_json
 from webapp.errors import OPENAI, register_error_handlers
 from webapp.openai_schema import Streaming, parse_chat, parse_completion, parse_embeddings
+from webapp.openai_tools import calls_tools
 from webapp.services import services
 from webapp.validation import asks_offline
 
@@ -31,13 +34,6 @@ bp = Blueprint("openai", __name__)
 
 T = TypeVar("T")
 KIND_FOR = {"completions": ("causal",), "chat": ("causal",), "embeddings": ("embed",)}
-
-
-class ModelNotFound(BatchingError):
-    """Raised when no live worker serves the model an OpenAI request names."""
-
-    status = 404
-    type = "model_not_found"
 
 
 register_error_handlers(bp, OPENAI)
@@ -49,7 +45,9 @@ def _parsed(parse: Callable[[Any, Settings, str, str], tuple[Call, T]]) -> tuple
     body = read_json(settings)
     call, extra = parse(body, settings, g.request_id, g.claimed_tenant or "default")
     g.idempotency = answers.idempotency(body)
-    return tenancy.bind_caller(_with_priority(call, body), claimed_tenant=g.claimed_tenant), extra
+    call = resolved(tenancy.bind_caller(_with_priority(call, body), claimed_tenant=g.claimed_tenant))
+    g.service_tier = openai_fields.served_tier(body, call.priority)  # echoed in the answer (Shape.tier)
+    return call, extra
 
 
 def _with_priority(call: Call, body: Any) -> Call:
@@ -65,12 +63,15 @@ def _run(call: Call, endpoint: str, shape: Shape) -> Answer:
 
 
 def _check_model(call: Call, endpoint: str) -> None:
+    """The call's model (an adapter's base, once resolved) is served, and is of a kind ``endpoint`` serves; the
+    refusals name the model as the caller did (an adapter by its name)."""
     kinds = {w.model: w.kind for w in services().gateway.live_workers()}
+    named = shown_model(call)
     if call.model not in kinds:
-        served = ", ".join(sorted(kinds)) or "none"
-        raise ModelNotFound(f"the model {call.model!r} is not served here (models served now: {served})")
+        raise not_served(named, list(kinds))
     if kinds[call.model] not in KIND_FOR[endpoint]:
-        raise InvalidInput(f"the model {call.model!r} is a {kinds[call.model]} model; it cannot serve "
+        what = f"an adapter of {call.model!r}, " if named != call.model else ""
+        raise InvalidInput(f"the model {named!r} is {what}a {kinds[call.model]} model; it cannot serve "
                            f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}")
 
 
@@ -83,6 +84,7 @@ def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Respo
     choice's whole text in one chunk. Every event but an error's carries an SSE ``id``: a client whose
     connection drops resumes the stream from it (:mod:`webapp.requests_api`)."""
     _check_model(call, endpoint)
+    streaming = replace(streaming, tier=shape.tier)  # each chunk says the tier, as the answer does
     events = services().gateway.stream(call, shape=shape, idempotency=g.get("idempotency"))
     if events.replayed:
         g.request_id, g.replayed = events.request_id, True
@@ -98,11 +100,13 @@ def _sse(call: Call, endpoint: str, shape: Shape, streaming: Streaming) -> Respo
         events.close()
         raise first
 
+    named = replace(call, model=shown_model(call))  # each chunk names the adapter the caller named
+
     def generate() -> Iterator[str]:
         try:
-            yield from sse.render(call, chat, streaming, openings(call, chat), shape.choices,
+            yield from sse.render(named, chat, streaming, openings(call, chat), shape.choices,
                                   itertools.chain([first] if first is not None else [], stream),
-                                  Position.start(len(call.inputs)), on_error=_note_error)
+                                  Position.start(len(call.inputs)), on_error=_note_error, tools=shape.tool_calls)
         finally:
             events.close()  # the client went away mid-stream: cancel the generations (unless it resumes)
 
@@ -114,7 +118,7 @@ def openings(call: Call, chat: bool) -> list[Any]:
     nothing."""
     if chat:
         return [{"role": "assistant", "content": ""}] * len(call.inputs)
-    return list(call.inputs) if call.params.get("echo") else [None] * len(call.inputs)
+    return list(call.inputs) if call.params.echo else [None] * len(call.inputs)
 
 
 def _note_error(error: BatchingError) -> None:
@@ -125,22 +129,23 @@ def _note_error(error: BatchingError) -> None:
 @tenancy.authenticated
 def completions() -> Response:
     call, stream = _parsed(parse_completion)
-    shape = Shape("completions", stream=stream is not None, choices=call.params.get("n", 1),
-                  usage=stream is not None and stream.include_usage, echo=bool(call.params.get("echo")))
+    shape = Shape("completions", stream=stream is not None, choices=call.params.n,
+                  usage=stream is not None and stream.include_usage, echo=call.params.echo, tier=g.service_tier)
     if stream is not None:
         return _sse(call, "completions", shape, stream)
-    return jsonify(answers.render(shape, call.model, _run(call, "completions", shape)))
+    return jsonify(answers.render(shape, shown_model(call), _run(call, "completions", shape)))
 
 
 @bp.post("/v1/chat/completions")
 @tenancy.authenticated
 def chat_completions() -> Response:
     call, stream = _parsed(parse_chat)
-    shape = Shape("chat", stream=stream is not None, choices=call.params.get("n", 1),
-                  usage=stream is not None and stream.include_usage)
+    shape = Shape("chat", stream=stream is not None, choices=call.params.n,
+                  usage=stream is not None and stream.include_usage, tier=g.service_tier,
+                  tool_calls=calls_tools(call.params))
     if stream is not None:
         return _sse(call, "chat", shape, stream)
-    return jsonify(answers.render(shape, call.model, _run(call, "chat", shape)))
+    return jsonify(answers.render(shape, shown_model(call), _run(call, "chat", shape)))
 
 
 @bp.post("/v1/embeddings")
@@ -148,13 +153,21 @@ def chat_completions() -> Response:
 def embeddings() -> Response:
     call, encoding = _parsed(parse_embeddings)
     shape = Shape("embeddings", encoding=encoding)
-    return jsonify(answers.render(shape, call.model, _run(call, "embeddings", shape)))
+    return jsonify(answers.render(shape, shown_model(call), _run(call, "embeddings", shape)))
 
 
 @bp.get("/v1/models")
 @tenancy.authenticated
 def models() -> Response:
-    served = sorted({w.model for w in services().gateway.live_workers()})
-    return jsonify(object="list", data=[{"id": m, "object": "model", "created": 0, "owned_by": "llm-batcher"}
-                                        for m in served])
+    """The models served, then the LoRA adapters of them the caller's tenant may use, each with its ``parent``
+    (its base model) and ``root`` (its directory), as vLLM lists them; another tenant's private ones are not."""
+    s = services()
+    served = s.served_models()
+    data: list[dict[str, Any]] = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-batcher"}
+                                  for m in sorted(served)]
+    data += [{"id": a.name, "object": "model", "created": int(a.created_at.timestamp()),
+              "owned_by": a.tenant or "llm-batcher", "parent": a.base_model, "root": a.path}
+             for a in sorted(s.adapters.usable(tenancy.tenant_name()), key=lambda a: a.name)
+             if a.base_model in served]
+    return jsonify(object="list", data=data)
 

@@ -1,7 +1,7 @@
 """OpenAI request parsing and response shapes, without I/O (the routes are in :mod:`webapp.openai_api`).
 
 Only what this service can honour is accepted; anything else is a clear 400 rather than silently ignored
-(token-id prompts).
+(token-id prompts; every field of a chat or completions body: :mod:`webapp.openai_fields`).
 
 Log-probabilities come from the worker (``logprobs`` entries in each item's output: token, logprob, the
 likeliest tokens; with ``echo`` the prompt's too) and are only shaped here: OpenAI's legacy object on
@@ -22,17 +22,17 @@ import json
 import math
 import struct
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 from tasks.config import Settings
 from tasks.errors import InvalidInput
 from tasks.gateway.calls import Call
-from tasks.schema import ItemResult, json_integer
+from tasks.schema import NO_PARAMS, ItemResult, SamplingParams, bounds, json_integer
+from webapp import openai_fields
+from webapp.openai_tools import chat_choice, chat_messages, constraint
 from webapp.validation import check_model, timeout_limit_ms
 
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.manual_seed takes
-MAX_CHOICES = 16  # most choices (n) one call may ask for
 MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20  # OpenAI's limits: completions' logprobs, chat's top_logprobs
 
 
@@ -41,6 +41,7 @@ class Streaming:
     """How a streamed call's chunks go out (a call that does not stream has none)."""
 
     include_usage: bool = False  # stream_options.include_usage: every chunk says usage null, a last one the counts
+    tier: str = ""  # the service_tier every chunk says (as its answer: Shape.tier; "": none asked for)
 
 
 def streaming(body: dict[str, Any]) -> Streaming | None:
@@ -75,12 +76,18 @@ def _common(body: Any, settings: Settings) -> tuple[str, dict[str, Any], int]:
     return model, body, math.ceil(timeout_ms)  # up, never past a limit: 300000.0001 is over 300000
 
 
+def _sampling(body: dict[str, Any], name: str) -> float:
+    """A number field of :class:`SamplingParams` (its default when absent), within the range the field states."""
+    low, high = bounds(name)["minimum"], bounds(name)["maximum"]
+    return _number(body, name, float(getattr(NO_PARAMS, name)), low, high)
+
+
 def generation_params(body: dict[str, Any], settings: Settings, *, default_max_tokens: int,
-                      scoring: dict[str, Any] | None = None) -> dict[str, Any]:
+                      scoring: Scoring | None = None, chat: bool = False) -> SamplingParams:
     """The parameters every generation call passes to its worker; ``scoring`` those of :func:`scoring_params`
     (``echo`` lets ``max_tokens`` be 0: scoring a given text)."""
-    scoring = scoring or {}
-    least, most = (0 if scoring.get("echo") else 1), settings.models.max_tokens_cap
+    scoring = scoring or Scoring()
+    least, most = (0 if scoring.echo else 1), settings.models.max_tokens_cap
     given: dict[str, int] = {}
     for name in ("max_tokens", "max_completion_tokens"):  # both checked: the second wins, as OpenAI's does
         value = body.get(name)
@@ -97,37 +104,44 @@ def generation_params(body: dict[str, Any], settings: Settings, *, default_max_t
         stop = [stop] if isinstance(stop, str) else stop
         if not isinstance(stop, list) or len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
             raise InvalidInput("'stop' must be a string or a list of up to 4 non-empty strings")
-    seed = body.get("seed")
-    if seed is not None and ((seed := json_integer(seed)) is None or not SEED_MIN <= seed <= SEED_MAX):
-        raise InvalidInput(f"'seed' must be an integer from {SEED_MIN} to {SEED_MAX}")
-    params = {"max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-              "top_p": _number(body, "top_p", 1.0, 0.0, 1.0) or 1.0, "stop": stop or [], "seed": seed,
-              **scoring}
-    n = choices(body)
-    if n > 1:  # only then: the parameters of an n=1 call stay what they were
-        params["n"] = n
-    return params
+    seed = _integer(body, "seed", None)  # checked in this order: a body with two wrong fields hears of the first
+    return SamplingParams(max_tokens=max_tokens, temperature=_sampling(body, "temperature"),
+                          top_p=_sampling(body, "top_p") or 1.0, stop=tuple(stop or ()), seed=seed,
+                          logprobs=scoring.logprobs, echo=scoring.echo, n=choices(body), chat=chat,
+                          **openai_fields.sampling(body))
+
+
+def _integer(body: dict[str, Any], name: str, default: int | None) -> int | None:
+    """An integer field of :class:`SamplingParams`, within the range the field states."""
+    value = body.get(name)
+    if value is None:
+        return default
+    low, high = int(bounds(name)["minimum"]), int(bounds(name)["maximum"])
+    if (value := json_integer(value)) is None or not low <= value <= high:
+        raise InvalidInput(f"'{name}' must be an integer from {low} to {high}")
+    return value
 
 
 def choices(body: dict[str, Any]) -> int:
     """The body's ``n``: how many choices to generate for each prompt."""
-    n = body.get("n")
-    if n is None:
-        return 1
-    n = json_integer(n)
-    if n is None or not 1 <= n <= MAX_CHOICES:
-        raise InvalidInput(f"'n' must be an integer from 1 to {MAX_CHOICES}")
-    return n
+    return _integer(body, "n", 1) or 1
 
 
-def scoring_params(body: dict[str, Any], *, chat: bool) -> dict[str, Any]:
-    """What the body asks of log-probabilities, as worker parameters: ``logprobs`` (how many likeliest tokens
-    at each position) and, on completions, ``echo``. Empty when it asks for none: such a call's parameters
-    stay as they were."""
+@dataclass(frozen=True)
+class Scoring:
+    """What a body asks of log-probabilities: ``logprobs`` (how many likeliest tokens at each position; None:
+    none) and, on completions, ``echo``."""
+
+    logprobs: int | None = None
+    echo: bool = False
+
+
+def scoring_params(body: dict[str, Any], *, chat: bool) -> Scoring:
+    """What the body asks of log-probabilities (:class:`Scoring`), checked as each route checks it."""
     return _chat_scoring(body) if chat else _completion_scoring(body)
 
 
-def _chat_scoring(body: dict[str, Any]) -> dict[str, Any]:
+def _chat_scoring(body: dict[str, Any]) -> Scoring:
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
     if logprobs is not None and not isinstance(logprobs, bool):
         raise InvalidInput("'logprobs' must be true or false")
@@ -139,22 +153,18 @@ def _chat_scoring(body: dict[str, Any]) -> dict[str, Any]:
             raise InvalidInput("'top_logprobs' needs 'logprobs': true")
     if body.get("echo") is not None:
         raise InvalidInput("'echo' is a /v1/completions parameter")
-    return {"logprobs": top or 0} if logprobs else {}
+    return Scoring(logprobs=top or 0) if logprobs else Scoring()
 
 
-def _completion_scoring(body: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    logprobs, echo = body.get("logprobs"), body.get("echo")
+def _completion_scoring(body: dict[str, Any]) -> Scoring:
+    logprobs, echo, count = body.get("logprobs"), body.get("echo"), None
     if logprobs is not None and logprobs is not False:  # false: none, as some clients send it
-        logprobs = json_integer(logprobs)
-        if logprobs is None or not 0 <= logprobs <= MAX_COMPLETION_LOGPROBS:
+        count = json_integer(logprobs)
+        if count is None or not 0 <= count <= MAX_COMPLETION_LOGPROBS:
             raise InvalidInput(f"'logprobs' must be an integer from 0 to {MAX_COMPLETION_LOGPROBS}")
-        out["logprobs"] = logprobs
     if echo is not None and not isinstance(echo, bool):
         raise InvalidInput("'echo' must be true or false")
-    if echo:
-        out["echo"] = True
-    return out
+    return Scoring(logprobs=count, echo=bool(echo))
 
 
 def _strings(body: dict[str, Any], name: str, settings: Settings, note: str = "") -> list[str]:
@@ -171,9 +181,11 @@ def _strings(body: dict[str, Any], name: str, settings: Settings, note: str = ""
 def parse_completion(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, Streaming | None]:
     """A /v1/completions body -> the call to submit, and how it streams (None: it does not)."""
     model, body, timeout_ms = _common(body, settings)
+    openai_fields.check(body, openai_fields.COMPLETIONS)
     prompts = _strings(body, "prompt", settings, " (token ids are not supported)")
     params = generation_params(body, settings, default_max_tokens=16, scoring=scoring_params(body, chat=False))
-    n = params.get("n", 1)
+    params = _constrained(params, body, chat=False)
+    n = params.n
     if len(prompts) * n > settings.admission.max_inputs_per_call:
         raise InvalidInput(f"at most {settings.admission.max_inputs_per_call} prompts times 'n' per call")
     inputs = tuple(p for p in prompts for _ in range(n))  # choice index = prompt index * n + j, as OpenAI's
@@ -184,24 +196,37 @@ def parse_completion(body: Any, settings: Settings, request_id: str, tenant: str
 
 def parse_chat(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, Streaming | None]:
     model, body, timeout_ms = _common(body, settings)
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise InvalidInput("'messages' must be a non-empty list")
-    for m in messages:
-        if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant", "developer") \
-                or not isinstance(m.get("content"), str):
-            raise InvalidInput("each message needs a 'role' (system, user, assistant) and a string 'content'")
-    clean = [{"role": m["role"], "content": m["content"]} for m in messages]
+    openai_fields.check(body, openai_fields.CHAT)
+    clean = chat_messages(body.get("messages"))
     params = generation_params(body, settings, default_max_tokens=min(256, settings.models.max_tokens_cap),
-                               scoring=scoring_params(body, chat=True))
-    params["chat"] = True
-    call = Call(request_id=request_id, tenant=tenant, model=model, inputs=(json.dumps(clean),) * params.get("n", 1),
+                               scoring=scoring_params(body, chat=True), chat=True)
+    params = _constrained(params, body, chat=True)
+    call = Call(request_id=request_id, tenant=tenant, model=model, inputs=(json.dumps(clean),) * params.n,
                 timeout_ms=timeout_ms, params=params)
     return call, streaming(body)
 
 
+def _constrained(params: SamplingParams, body: dict[str, Any], *, chat: bool) -> SamplingParams:
+    """The params with the grammar and tools of the body's ``response_format`` and ``tools``
+    (:mod:`webapp.openai_tools`)."""
+    grammar, tools = constraint(body, chat=chat)
+    return replace(params, grammar=grammar, tools=tools) if grammar is not None or tools else params
+
+
+# what /v1/embeddings takes (``user`` accepted, no behaviour here); anything else is a 400 naming it
+EMBEDDING_FIELDS = frozenset({"model", "input", "encoding_format", "user", "timeout_ms", "priority", "service_tier"})
+
+
 def parse_embeddings(body: Any, settings: Settings, request_id: str, tenant: str) -> tuple[Call, str]:
     model, body, timeout_ms = _common(body, settings)
+    if body.get("dimensions") is not None:
+        raise InvalidInput("'dimensions' is not supported here: each model answers with its own embedding size")
+    unknown = next((k for k in body if k not in EMBEDDING_FIELDS | {"dimensions"}), None)
+    if unknown is not None:
+        raise InvalidInput(f"unknown field '{unknown}': /v1/embeddings does not take it (docs/api.md lists the "
+                           "fields it takes)")
+    if body.get("user") is not None and not isinstance(body["user"], str):
+        raise InvalidInput("'user' must be a string")
     inputs = _strings(body, "input", settings)
     encoding = body.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
@@ -211,13 +236,17 @@ def parse_embeddings(body: Any, settings: Settings, request_id: str, tenant: str
 
 
 # -- responses -----------------------------------------------------------------------------------------
-def usage(results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, int]:
+def usage(results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, Any]:
     """Token counts as the workers reported them (OpenAI's ``usage``): each prompt's tokens once, however many
     ``choices`` it was asked for (its items are prompt-major: the first of each run of ``choices``), as OpenAI and
-    vLLM count them; every choice's completion tokens. The ledger keeps each item's own counts."""
+    vLLM count them; every choice's completion tokens. The ledger keeps each item's own counts. Of the prompt
+    tokens, ``prompt_tokens_details.cached_tokens`` are those the workers' prefix caches held (always given:
+    0 from a worker that keeps no cache, or says nothing of it)."""
     prompt = sum(int(r.output.get("prompt_tokens", 0)) for r in results[::choices])
+    cached = sum(int(r.output.get("cached_tokens", 0)) for r in results[::choices])
     completion = sum(int(r.output.get("completion_tokens", 0)) for r in results)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def completion_response(request_id: str, model: str, results: tuple[ItemResult, ...],
@@ -231,13 +260,14 @@ def completion_response(request_id: str, model: str, results: tuple[ItemResult, 
 
 
 def chat_response(request_id: str, model: str, results: tuple[ItemResult, ...],
-                  created: int | None = None, choices: int = 1) -> dict[str, Any]:
+                  created: int | None = None, choices: int = 1, tools: bool = False) -> dict[str, Any]:
+    """``tools``: the call's answers may hold tool calls (:func:`webapp.openai_tools.chat_choice`)."""
     created = int(time.time()) if created is None else created
+    answers = [chat_choice(r.output, request_id, i, tools) for i, r in enumerate(results)]
     return {"id": f"chatcmpl-{request_id}", "object": "chat.completion", "created": created,
-            "model": model, "choices": [{"index": i, "logprobs": chat_logprobs(r.output),
-                                         "finish_reason": r.output["finish_reason"],
-                                         "message": {"role": "assistant", "content": r.output["text"]}}
-                                        for i, r in enumerate(results)],
+            "model": model, "choices": [{"index": i, "logprobs": chat_logprobs(r.output), "finish_reason": reason,
+                                         "message": message}
+                                        for i, (r, (message, reason)) in enumerate(zip(results, answers, strict=True))],
             "usage": usage(results, choices)}
 
 
@@ -289,19 +319,22 @@ def chunk(call: Named, chat: bool, text: Any, finish_reason: str | None,
     else:
         logprobs = None if output is None else completion_logprobs(output)
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
-    out = _chunk_head(call, chat) | {"choices": [choice]}
+    out = _chunk_head(call, chat, streaming) | {"choices": [choice]}
     if streaming is not None and streaming.include_usage:
         out["usage"] = None
     return out
 
 
-def usage_chunk(call: Named, chat: bool, results: tuple[ItemResult, ...], choices: int = 1) -> dict[str, Any]:
+def usage_chunk(call: Named, chat: bool, results: tuple[ItemResult, ...], choices: int = 1,
+                streaming: Streaming | None = None) -> dict[str, Any]:
     """The last chunk before ``[DONE]`` of a stream that asked for ``include_usage``: no choices, the counts
     (each prompt's once, whatever its ``choices``: :func:`usage`)."""
-    return _chunk_head(call, chat) | {"choices": [], "usage": usage(results, choices)}
+    return _chunk_head(call, chat, streaming) | {"choices": [], "usage": usage(results, choices)}
 
 
-def _chunk_head(call: Named, chat: bool) -> dict[str, Any]:
+def _chunk_head(call: Named, chat: bool, streaming: Streaming | None = None) -> dict[str, Any]:
+    if streaming is not None and streaming.tier:
+        return _chunk_head(call, chat) | {"service_tier": streaming.tier}
     if chat:
         return {"id": f"chatcmpl-{call.request_id}", "object": "chat.completion.chunk", "created": int(time.time()),
                 "model": call.model}

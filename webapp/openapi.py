@@ -15,8 +15,10 @@ from typing import Any
 from tasks.config import Auth, Settings
 from tasks.policy.batchfile import COMPLETION_WINDOWS, ENDPOINTS, MAX_EXPIRY_S, MAX_FILENAME, MIN_EXPIRY_S
 from tasks.policy.tenancy import MAX_IN_FLIGHT, MAX_WEIGHT, TENANT_NAME
+from tasks.schema import MAX_CHOICES, bounds
 from webapp.batch_api import MAX_PAGE
-from webapp.openai_schema import MAX_CHOICES, MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS, SEED_MAX, SEED_MIN
+from webapp.openai_fields import FIELDS, Handling
+from webapp.openai_schema import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
 from webapp.validation import MODEL, timeout_limit_ms
 
 Schema = dict[str, Any]
@@ -34,10 +36,12 @@ COMMON = (401, 403, 404, 405, 408, 413, 429, 503)
 INFERENCE = (400, 409, 422, 504)
 
 DESCRIPTIONS = {200: "answered", 201: "created", 400: "malformed body, field or parameter",
-                401: "no API key, or an unknown one", 403: "an admin route without an admin key, or another tenant's",
-                404: "no such path or object",
+                401: "no API key, or an unknown one",
+                403: "an admin route without an admin key, another tenant's, or LLMB_MAX_REGISTERED_ADAPTERS reached",
+                404: "no such path or object, or a model no worker serves",
                 405: "method not allowed", 408: "the body or headers did not arrive in time",
-                409: "an Idempotency-Key names another call, a record cannot be read, or a call cannot be resumed",
+                409: "an Idempotency-Key names another call, a record cannot be read, a call cannot be resumed, or "
+                     "an adapter's name is taken",
                 413: "body over LLMB_MAX_BODY_BYTES", 422: "a poison input", 429: "full, overloaded or over a limit",
                 503: "RabbitMQ, Redis, the database or every worker away",
                 504: "no answer before the deadline", 507: "the files folder is full"}
@@ -122,16 +126,29 @@ def _generation(settings: Settings, *, least_tokens: int) -> Schema:
     tokens = _nullable({"type": "integer", "minimum": least_tokens, "maximum": settings.models.max_tokens_cap})
     return {
         "model": _model(settings), "max_tokens": tokens, "max_completion_tokens": tokens,
-        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2}),
-        "top_p": _nullable({"type": "number", "minimum": 0, "maximum": 1}),
+        "temperature": _nullable({"type": "number", **bounds("temperature")}),
+        "top_p": _nullable({"type": "number", **bounds("top_p")}),
         "stop": _nullable({"anyOf": [{"type": "string", "minLength": 1}, {
             "type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": 4}]}),
-        "seed": _nullable({"type": "integer", "minimum": SEED_MIN, "maximum": SEED_MAX}),
-        "n": _nullable({"type": "integer", "minimum": 1, "maximum": MAX_CHOICES}),
+        "seed": _nullable({"type": "integer", **bounds("seed")}),
+        "n": _nullable({"type": "integer", **bounds("n")}),
         "stream": _nullable(BOOLEAN),
         "stream_options": _nullable(_object({"include_usage": BOOLEAN}, closed=True)),
         "timeout_ms": _nullable({"type": "number", "minimum": 1, "maximum": timeout_limit_ms(settings)}),
-        "service_tier": _nullable(STRING), "priority": _nullable(STRING)}
+        **{name: _nullable(FIELDS[name].schema or {}) for name in ("service_tier", "priority")}}
+
+
+def _table(route: str) -> Schema:
+    """The fields of ``route`` whose values :mod:`webapp.openai_fields` states (a refused field's: those it takes
+    as asking nothing more), each nullable."""
+    return {name: _nullable(field.schema) for name, field in FIELDS.items()
+            if route in field.routes and field.schema is not None}
+
+
+def documented(route: str) -> set[str]:
+    """The fields of ``route`` the document must describe: every one the table does not refuse outright."""
+    return {name for name, field in FIELDS.items()
+            if route in field.routes and (field.handling != Handling.REFUSED or field.schema is not None)}
 
 
 def _generation_rules(settings: Settings) -> list[Schema]:
@@ -164,10 +181,10 @@ def _openai_paths(settings: Settings) -> Schema:
     prompts_times_n = _when({"properties": {"n": {"type": "integer", "minimum": 2}}, "required": ["n"]},
                             {"properties": {"prompt": {"maxItems": most // MAX_CHOICES}}})
     completions = {"allOf": [
-        _object({**_generation(settings, least_tokens=0), "prompt": _strings(most),
+        _object({**_generation(settings, least_tokens=0), **_table("completions"), "prompt": _strings(most),
                  "logprobs": _nullable({"anyOf": [{"type": "integer", "minimum": 0,
                                                    "maximum": MAX_COMPLETION_LOGPROBS}, {"const": False}]}),
-                 "echo": _nullable(BOOLEAN)}, ("model", "prompt")),
+                 "echo": _nullable(BOOLEAN)}, ("model", "prompt"), closed=True),
         _when({"not": _is("echo", True)}, {"properties": {
             "max_tokens": _nullable({"minimum": 1}), "max_completion_tokens": _nullable({"minimum": 1})}}),
         *_generation_rules(settings),
@@ -175,17 +192,19 @@ def _openai_paths(settings: Settings) -> Schema:
     message = _object({"role": {"enum": ["system", "user", "assistant", "developer"]}, "content": STRING},
                       ("role", "content"))
     chat = {"allOf": [
-        _object({**_generation(settings, least_tokens=1), "logprobs": _nullable(BOOLEAN),
+        _object({**_generation(settings, least_tokens=1), **_table("chat"), "logprobs": _nullable(BOOLEAN),
                  "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_TOP_LOGPROBS}),
                  "echo": {"type": "null"},
-                 "messages": {"type": "array", "minItems": 1, "items": message}}, ("model", "messages")),
+                 "messages": {"type": "array", "minItems": 1, "items": message}}, ("model", "messages"),
+                closed=True),
         _when({"properties": {"top_logprobs": {"type": "integer"}}, "required": ["top_logprobs"]},
               _is("logprobs", True)),
         *_generation_rules(settings)]}
     embeddings = {"allOf": [_object({
         "model": _model(settings), "input": _strings(most), "encoding_format": _nullable({"enum": ["float", "base64"]}),
         "timeout_ms": _nullable({"type": "number", "minimum": 1, "maximum": timeout_limit_ms(settings)}),
-        "priority": _nullable(STRING), "service_tier": _nullable(STRING)}, ("model", "input")),
+        "priority": _nullable(STRING), "service_tier": _nullable(STRING), "user": _nullable(STRING)},
+        ("model", "input"), closed=True),
         interactive_deadline(settings)]}
     return {
         "/v1/completions": {"post": _op(
@@ -198,7 +217,8 @@ def _openai_paths(settings: Settings) -> Schema:
             "Embeddings (OpenAI)", _object({"object": STRING, "data": {"type": "array"}, "model": STRING,
                                             "usage": USAGE}, ("object", "data")),
             INFERENCE, body=embeddings)},
-        "/v1/models": {"get": _op("The models live workers serve", LIST)},
+        "/v1/models": {"get": _op("The models live workers serve, and the LoRA adapters of them the caller may use "
+                                  "(each with its parent model)", LIST)},
     }
 
 
@@ -239,6 +259,78 @@ def _batch_paths(settings: Settings) -> Schema:
             "get": _op("This tenant's batch jobs", LIST, (400,), params=page)},
         "/v1/batches/{batch_id}": {"get": _op("One batch job", batch, params=batch_id)},
         "/v1/batches/{batch_id}/cancel": {"post": _op("Cancel a batch job", batch, (409,), params=batch_id)},
+    }
+
+
+def _responses_paths(settings: Settings) -> Schema:
+    """The Responses API (:mod:`webapp.responses_api`), its body as :mod:`webapp.responses_schema` takes it."""
+    rid = [_path_param("response_id")]
+    response = _object({"id": STRING, "object": {"const": "response"}, "status": STRING, "output": {"type": "array"}},
+                       ("id", "object", "status"))
+    part = _object({"type": {"enum": ["input_text", "output_text"]}, "text": STRING}, ("type", "text"))
+    item = {"anyOf": [
+        _object({"type": {"const": "message"}, "role": {"enum": ["user", "system", "developer", "assistant"]},
+                 "content": {"anyOf": [STRING, {"type": "array", "items": part}]}}, ("role", "content")),
+        _object({"type": {"const": "function_call"}, "call_id": STRING, "name": STRING, "arguments": STRING},
+                ("type", "call_id", "name", "arguments")),
+        _object({"type": {"const": "function_call_output"}, "call_id": STRING, "output": STRING},
+                ("type", "call_id", "output"))]}
+    tool = _object({"type": {"const": "function"}, "name": STRING, "description": _nullable(STRING),
+                    "parameters": _nullable({"type": "object"}), "strict": _nullable(BOOLEAN)}, ("type", "name"))
+    fmt = {"anyOf": [_object({"type": {"enum": ["text", "json_object"]}}, ("type",)),
+                     _object({"type": {"const": "json_schema"}, "name": STRING, "schema": {"type": "object"},
+                              "strict": _nullable(BOOLEAN)}, ("type", "name", "schema"))]}
+    metadata = _nullable({"type": "object", "maxProperties": 16, "propertyNames": {"maxLength": 64},
+                          "additionalProperties": {"type": "string", "maxLength": 512}})
+    sampling = _generation(settings, least_tokens=1)
+    body = {"allOf": [_object({
+        "model": _model(settings), "input": {"anyOf": [STRING, {"type": "array", "items": item, "minItems": 1}]},
+        "instructions": _nullable(STRING), "max_output_tokens": sampling["max_tokens"],
+        **{k: sampling[k] for k in ("temperature", "top_p", "seed", "timeout_ms", "service_tier", "priority")},
+        "tools": _nullable({"type": "array", "items": tool}),
+        "tool_choice": _nullable({"anyOf": [{"enum": ["none", "auto", "required"]},
+                                            _object({"type": {"const": "function"}, "name": STRING},
+                                                    ("type", "name"))]}),
+        "parallel_tool_calls": _nullable(BOOLEAN), "text": _nullable(_object({"format": _nullable(fmt)})),
+        "metadata": metadata, "store": _nullable(BOOLEAN), "previous_response_id": _nullable(STRING),
+        "stream": _nullable(BOOLEAN), "background": _nullable(BOOLEAN), "user": _nullable(STRING)},
+        ("model", "input")),
+        _when(_is("background", True), {"not": _is("store", False)}),
+        _when({"anyOf": [_is("background", True), _is("priority", "offline"), _is("service_tier", "flex")]}, {},
+              _at_most("timeout_ms", settings.admission.max_timeout_ms))]}
+    page = [_query("limit", {"type": "integer", "minimum": 1, "maximum": 100}), _query("after", STRING),
+            _query("order", {"enum": ["asc", "desc"]})]
+    return {
+        "/v1/responses": {"post": _op("Create a response (OpenAI's Responses API); stored unless \"store\": false, "
+                                      "streamed with \"stream\": true, run on with \"background\": true", response,
+                                      INFERENCE, stream=True, body=body)},
+        "/v1/responses/{response_id}": {
+            "get": _op("A stored response; its events again with stream=true, after starting_after", response,
+                       (400, 409), stream=True, params=[*rid, _query("stream", BOOLEAN),
+                                                        _query("starting_after", INTEGER)]),
+            "delete": _op("Delete a stored response", _object({"id": STRING, "deleted": BOOLEAN}), params=rid)},
+        "/v1/responses/{response_id}/input_items": {"get": _op("A stored response's input items", LIST, (400,),
+                                                               params=[*rid, *page])},
+        "/v1/responses/{response_id}/cancel": {"post": _op("Cancel a background response", response, (400,),
+                                                           params=rid)},
+    }
+
+
+def _adapter_paths(settings: Settings) -> Schema:
+    """vLLM's routes for LoRA adapters (:mod:`webapp.adapters_api`), for an admin key, in OpenAI's error shape."""
+    adapter = _object({"message": STRING, "name": STRING, "base_model": STRING, "path": STRING, "rank": INTEGER,
+                       "tenant": NULLABLE_STRING, "pinned": BOOLEAN, "created_at": STRING}, ("message", "name"))
+    load = _object({"lora_name": _model(settings), "lora_path": {"type": "string", "minLength": 1},
+                    "base_model": _model(settings), "tenant": _nullable(TENANT), "pinned": BOOLEAN},
+                   ("lora_name", "lora_path"), closed=True)
+    unload = _object({"lora_name": {"type": "string", "minLength": 1}, "lora_int_id": {}}, ("lora_name",),
+                     closed=True)
+    return {
+        "/v1/load_lora_adapter": {"post": _op(
+            "Register a LoRA adapter of a served model (vLLM's route; an admin key): calls name it as their model",
+            adapter, (400, 409), body=load)},
+        "/v1/unload_lora_adapter": {"post": _op("Remove a registered LoRA adapter (vLLM's route; an admin key)",
+                                                _object({"message": STRING, "name": STRING}), (400,), body=unload)},
     }
 
 
@@ -304,6 +396,9 @@ LINKS = {
     ("post", "/v1/batches"): {"GetBatch": ("get", "/v1/batches/{batch_id}", "batch_id"),
                               "CancelBatch": ("post", "/v1/batches/{batch_id}/cancel", "batch_id")},
     ("post", "/v1/infer"): {"GetRequest": ("get", "/v1/requests/{request_id}", "request_id")},
+    ("post", "/v1/responses"): {"GetResponse": ("get", "/v1/responses/{response_id}", "response_id"),
+                                "GetInputItems": ("get", "/v1/responses/{response_id}/input_items", "response_id"),
+                                "DeleteResponse": ("delete", "/v1/responses/{response_id}", "response_id")},
     ("post", "/v1/admin/keys"): {"RevokeKey": ("delete", "/v1/admin/keys/{key_id}", "key_id")},
 }
 
@@ -344,7 +439,8 @@ def document(version: str, settings: Settings) -> Schema:
                  "description": "Batched LLM inference behind REST: a native API, OpenAI-compatible routes and "
                                 "OpenAI's Batch API. Errors: the native routes answer {\"error\": {\"type\", "
                                 "\"message\", \"request_id\"}}, every other /v1/ route OpenAI's shape."},
-        "paths": _linked({**_native_paths(settings), **_openai_paths(settings), **_batch_paths(settings)}),
+        "paths": _linked({**_native_paths(settings), **_openai_paths(settings), **_batch_paths(settings),
+                          **_responses_paths(settings), **_adapter_paths(settings)}),
         "components": {
             "schemas": {"NativeError": native_error, "OpenAIError": openai_error},
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer",

@@ -26,7 +26,7 @@ from werkzeug.exceptions import NotFound
 from tasks.policy.tenancy import check_tenant_name
 from webapp import sse, tenancy
 from webapp.answers import render
-from webapp.errors import NATIVE, OPENAI
+from webapp.errors import NATIVE, OPENAI, status_of
 from webapp.openai_schema import Streaming
 from webapp.services import services
 from webapp.validation import REQUEST_ID
@@ -60,8 +60,7 @@ def get_request(request_id: str) -> Response:
         body["response"] = {"status_code": 200, "body": render(record.shape, record.model, found.answer)}
     elif found.error is not None:
         error, shape = found.error, NATIVE if record.shape.route == "infer" else OPENAI
-        body["response"] = {"status_code": error.status,
-                            "body": shape.body(error.status, error.type, error.message, record.request_id)}
+        body["response"] = {"status_code": status_of(error.type), "body": shape.of(error, record.request_id)}
     return jsonify(body)
 
 
@@ -75,6 +74,6 @@ def resume_stream(request_id: str) -> Response:
     record = resumed.record
     chat = record.shape.route == "chat"
     openings = [{"role": "assistant", "content": ""} if chat else None] * len(record.items)
-    events = sse.render(record, chat, Streaming(include_usage=record.shape.usage), openings, record.shape.choices,
-                        resumed.events, resumed.position)
+    events = sse.render(record, chat, Streaming(record.shape.usage, record.shape.tier), openings, record.shape.choices,
+                        resumed.events, resumed.position, tools=record.shape.tool_calls)
     return sse.response(events)

@@ -7,51 +7,104 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import redis
 from flask import Flask, current_app
 from prometheus_client import CollectorRegistry, multiprocess
 
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
+from tasks.gateway import readiness
+from tasks.gateway.admission_queue import AdmissionQueue
 from tasks.gateway.gate import Gate
 from tasks.gateway.gateway import Gateway
 from tasks.gateway.links import redis_client
+from tasks.gateway.parts import GatewayParts
 from tasks.policy.shedding import Door
+from tasks.state.admission import Admission
+from tasks.state.clock import SharedClock
+from tasks.state.fleet import Fleet, FleetCache
+from tasks.state.journal import Journal
+from tasks.state.keys import Keys
 from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY, TENANT_REFUSALS, SystemCollector
+from tasks.state.requests import Requests
+from tasks.state.results import ResultListener
+from tasks.store.adapters import AdapterCatalog, AdapterStore
 from tasks.store.directory import TenantDirectory
 from tasks.store.tenants import KeyStore
 from tasks.store.ttl_cache import LookupCache
 from webapp.door import door_from_settings
+from webapp.errors import status_of
+from webapp.worker import Arrivals
 
 EXTENSION = "llmb"  # the one key in app.extensions
 
 
 @dataclass(frozen=True)
 class Services:
-    """The process's settings and clients: the gateway (Redis, RabbitMQ), the key store and its cached
-    directory, the door's counter and the metrics registry /metrics reports."""
+    """The process's settings and clients, each built once here (the process's composition root): Redis and
+    RabbitMQ (``client``, ``publisher``), the fleet's shared clock, admission, the fleet and this process's cache
+    of it, the gateway built from them, this process's view of each model's admission queue (which the door reads
+    and the gateway keeps up to date), the key store and its cached directory, the LoRA adapters' registry and its
+    cached catalog, the door's counter, the requests not yet got to (which the door reads and gunicorn's worker
+    keeps) and the metrics registry /metrics reports."""
 
     settings: Settings
+    client: redis.Redis
+    publisher: RequestPublisher
+    clock: SharedClock
+    admission: Admission
+    fleet: Fleet
+    workers: FleetCache
+    queue: AdmissionQueue
     gateway: Gateway
     keys: KeyStore
     tenants: TenantDirectory
+    adapter_store: AdapterStore
+    adapters: AdapterCatalog
     door: Door
+    arrivals: Arrivals
     metrics: CollectorRegistry
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Services:
         client = redis_client(settings)
+        instance_id = uuid.uuid4().hex
+        names = Keys.from_settings(settings)
         publisher = RequestPublisher(settings.broker.url, settings.request_queue, settings.broker.pool_size,
                                      settings.broker.persistent_requests, settings.broker.queue_type)
-        keys = KeyStore.from_settings(settings)
+        clock = SharedClock.from_settings(settings, client)
+        admission = Admission.from_settings(settings, client, instance_id)
+        fleet = Fleet.from_settings(settings, client)
+        # A stopping worker still serves its model: a rolling restart must not flap it to 503.
+        workers = FleetCache(fleet, settings.worker.heartbeat_interval_s / 2, draining=True, wallclock=clock)
+        listener = ResultListener(client, names.replies(instance_id), names.result, settings.stores.result_recheck_s)
+        requests = Requests.from_settings(settings, client, status_of)
+        journal = Journal(client, names, settings.stores.result_ttl_s)
+        parts = GatewayParts(instance_id, client, clock, admission, requests, workers, listener, journal, publisher)
         gate = Gate(settings.admission.admit_concurrency,
                     settings.admission.door_max_delay_s) if settings.admission.admit_concurrency else None
-        gateway = Gateway(settings, client, publisher, instance_id=uuid.uuid4().hex, gate=gate)
-        return cls(settings=settings,
-                   gateway=gateway,
+        queue = AdmissionQueue(settings, workers, gate)
+        keys = KeyStore.from_settings(settings)
+        adapter_store = AdapterStore.from_settings(settings, keys.engine)  # one pool for both tables
+        arrivals = Arrivals()
+        return cls(settings=settings, client=client, publisher=publisher, clock=clock, admission=admission,
+                   fleet=fleet, workers=workers, queue=queue,
+                   gateway=Gateway(settings, parts, queue, gate),
                    keys=keys,
                    tenants=TenantDirectory(keys, ttl_s=settings.tenants.auth_cache_s),
-                   door=door_from_settings(settings, gate),
-                   metrics=metrics_registry(settings, gateway, publisher, keys))
+                   adapter_store=adapter_store,
+                   adapters=AdapterCatalog.from_store(adapter_store, settings.tenants.adapter_cache_s),
+                   door=door_from_settings(settings, gate, arrivals.backlog),
+                   arrivals=arrivals,
+                   metrics=metrics_registry(settings, fleet, admission, clock, publisher, keys))
+
+    def served_models(self) -> set[str]:
+        """The models live workers serve (this process's cached view of the fleet)."""
+        return {w.model for w in self.gateway.live_workers()}
+
+    def ping(self) -> dict[str, object]:
+        """Readiness: broker and Redis reachable, and the live workers. Raises Unavailable otherwise."""
+        return readiness.ping(self.client, self.fleet, self.clock, self.publisher)
 
 
 def services(app: Flask | None = None) -> Services:
@@ -61,8 +114,8 @@ def services(app: Flask | None = None) -> Services:
     return found
 
 
-def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPublisher,
-                     keys: KeyStore) -> CollectorRegistry:
+def metrics_registry(settings: Settings, fleet: Fleet, admission: Admission, clock: SharedClock,
+                     publisher: RequestPublisher, keys: KeyStore) -> CollectorRegistry:
     """This process's view of every API process (multiprocess mode) plus the system-wide figures."""
     registry = CollectorRegistry()
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
@@ -86,5 +139,5 @@ def metrics_registry(settings: Settings, gateway: Gateway, publisher: RequestPub
         except Exception:  # the database away, never read: the tenants' gauges are left out of this scrape
             return []
 
-    registry.register(SystemCollector(settings, gateway.fleet, gateway.admission, depth, gateway.clock, tenants))
+    registry.register(SystemCollector(settings, fleet, admission, depth, clock, tenants))
     return registry

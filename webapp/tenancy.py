@@ -15,7 +15,7 @@ from flask import g, request
 
 from tasks.errors import Forbidden, Unauthorized
 from tasks.gateway.calls import Call
-from tasks.policy.tenancy import Principal
+from tasks.policy.tenancy import Principal, check_tenant_name
 from tasks.store.tenants import HOW_TO_AUTH
 from webapp.services import services
 from webapp.validation import bearer_token, bind
@@ -69,3 +69,12 @@ def admin() -> Principal:
     if not principal.admin:
         raise Forbidden("this route needs an admin key (`llmb-admin keys create <tenant> --admin`)")
     return principal
+
+
+def tenant_name() -> str:
+    """The caller's tenant, before its body names one: its key's, or (without keys) the X-Tenant header's,
+    ``default`` if none (a call without keys names its tenant the same way)."""
+    principal = g.get("principal")
+    if principal is not None:
+        return str(principal.tenant.name)
+    return check_tenant_name(g.get("claimed_tenant") or "default")

@@ -22,10 +22,15 @@ are taken in while the process is behind is :mod:`webapp.intake`; this worker pl
 
 And one to its responses: gunicorn writes a response's headers and its body with a system call each; this
 worker holds the headers back and sends them with the first piece of the body (the two writes were 7.7% of
-an API process's CPU under load, measured with py-spy).
+an API process's CPU under load, measured with py-spy). Each write waits at most ``LLMB_STREAM_SEND_TIMEOUT_MS``
+for the client to take bytes (gevent's sockets have no send timeout): a client that stopped reading ends its
+connection then, and the response's iterator is closed, releasing what it holds (a stream's generation, a
+resumed stream's slot), rather than holding them until TCP gives up.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import time
 from collections import OrderedDict
@@ -65,79 +70,100 @@ class AtDoor(Enum):
         return self is AtDoor.REFUSED
 
 
-# What may refuse a request from its bytes, before it is parsed (the app's webapp.door.AcceptDoor, set by
-# create_app): on a just-accepted connection before a greenlet is spawned for it, as its bytes arrive (by the
-# process's backlog and its model's line: ``arriving``, with its arrival time), and at intake with the time the
-# request waited for its turn (``in_line``: let in by its line on arrival).
-at_accept: Callable[..., AtDoor] | None = None
-_unstarted: OrderedDict[object, float] = OrderedDict()  # accepted connections whose greenlet has not run yet
-INTAKE: Intake | None = None  # the worker process's pace of intake (made in the worker, after the fork)
+ARRIVALS = "llmb.arrivals"  # the key of the app's Arrivals in app.extensions, where its worker finds them
 
 
-def backlog() -> tuple[int, float]:
-    """Requests this process has not got to yet: accepted connections whose greenlet has not run, and requests
-    waiting for their turn at intake (:mod:`webapp.intake`); and the least a request arriving now would wait
-    (the oldest of them so far, or the intake's line at its measured rate)."""
-    oldest = next(iter(_unstarted.values()), None)
-    unstarted_s = 0.0 if oldest is None else time.monotonic() - oldest
-    if INTAKE is None:
-        return len(_unstarted), unstarted_s
-    return len(_unstarted) + INTAKE.waiting, max(unstarted_s, INTAKE.expected_wait_s())
+class Arrivals:
+    """One API process's requests before it gets to them, shared by its app and its worker: the app's door judges
+    by the backlog (:meth:`backlog`), and the app sets what may refuse a request from its bytes (``at_accept``);
+    the worker keeps the backlog (``unstarted``, ``intake``) and asks ``at_accept`` (:meth:`refused`).
 
+    ``at_accept`` (the app's :class:`webapp.accept_door.AcceptDoor`) judges a request on a just-accepted
+    connection before a greenlet is spawned for it, as its bytes arrive (by the process's backlog and its model's
+    admission queue: ``arriving``, with its arrival time), and at intake with the time the request waited for its
+    turn (``in_line``: let in by its queue on arrival)."""
 
-def _refused_at_accept(sock: Any, waited_s: float | None = None, arriving: bool = False) -> bool:
-    """Whether :data:`at_accept` answered the request on ``sock``: just accepted (no greenlet yet), ``arriving``
-    (its bytes have just come, on the connection's greenlet), or at its turn (``waited_s``). A defect of its own
-    sends the request the usual way (logged), never takes the connection down."""
-    assert at_accept is not None
-    try:
-        if arriving:
-            _connection.in_line = False
-            arrived = arrived_at(getattr(_connection, "accepted_at", None), getattr(_connection, "seen_at", None))
-            outcome = at_accept(sock, waited_s, arriving=True, arrived_at=arrived)
-            _connection.in_line = outcome is AtDoor.IN_LINE
-        elif waited_s is not None:
-            outcome = at_accept(sock, waited_s, in_line=getattr(_connection, "in_line", False))
-        else:
-            outcome = at_accept(sock)
-        return bool(outcome)
-    except Exception:
-        logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
-        return False
+    def __init__(self) -> None:
+        self.at_accept: Callable[..., AtDoor] | None = None
+        self.unstarted: OrderedDict[object, float] = OrderedDict()  # accepted connections whose greenlet has not run
+        self.intake: Intake | None = None  # the worker process's pace of intake (made in the worker, after the fork)
+
+    def backlog(self) -> tuple[int, float]:
+        """Requests this process has not got to yet: accepted connections whose greenlet has not run, and requests
+        waiting for their turn at intake (:mod:`webapp.intake`); and the least a request arriving now would wait
+        (the oldest of them so far, or the intake's line at its measured rate)."""
+        oldest = next(iter(self.unstarted.values()), None)
+        unstarted_s = 0.0 if oldest is None else time.monotonic() - oldest
+        if self.intake is None:
+            return len(self.unstarted), unstarted_s
+        return len(self.unstarted) + self.intake.waiting, max(unstarted_s, self.intake.expected_wait_s())
+
+    def refused(self, sock: Any, waited_s: float | None = None, arriving: bool = False) -> bool:
+        """Whether ``at_accept`` answered the request on ``sock``: just accepted (no greenlet yet), ``arriving``
+        (its bytes have just come, on the connection's greenlet), or at its turn (``waited_s``). A defect of its
+        own sends the request the usual way (logged), never takes the connection down."""
+        at_accept = self.at_accept
+        assert at_accept is not None
+        try:
+            if arriving:
+                _connection.in_line = False
+                arrived = arrived_at(getattr(_connection, "accepted_at", None), getattr(_connection, "seen_at", None))
+                outcome = at_accept(sock, waited_s, arriving=True, arrived_at=arrived)
+                _connection.in_line = outcome is AtDoor.IN_LINE
+            elif waited_s is not None:
+                outcome = at_accept(sock, waited_s, in_line=getattr(_connection, "in_line", False))
+            else:
+                outcome = at_accept(sock)
+            return bool(outcome)
+        except Exception:
+            logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
+            return False
 
 
 class _TimedServer(StreamServer):
-    """gevent's StreamServer, accepting in batches and noting each connection's accept time."""
+    """gevent's StreamServer, accepting in batches and noting each connection's accept time (in its process's
+    ``arrivals``, set on the subclass its worker makes)."""
 
     max_accept = property(lambda self: ACCEPT_BATCH, lambda self, value: None)  # gunicorn's 1 is ignored
+    arrivals: Arrivals
 
     def do_handle(self, *args: Any) -> None:
-        accepted_at, handle = time.monotonic(), self._handle
-        if at_accept is not None and _refused_at_accept(args[0]):
-            self.do_close(*args)
+        accepted_at, handle, arrivals = time.monotonic(), self._handle, self.arrivals
+        if arrivals.at_accept is not None and arrivals.refused(args[0]):
+            if connections.unread(args[0]):  # requests pipelined behind the refused one: a lingering close
+                gevent.spawn(self._linger_then_close, *args)
+            else:
+                self.do_close(*args)
             return
 
         token = object()
+        unstarted = arrivals.unstarted
 
         def timed(*a: Any) -> Any:
-            _unstarted.pop(token, None)
+            unstarted.pop(token, None)
             _connection.accepted_at = accepted_at
             return handle(*a)
 
-        _unstarted[token] = accepted_at
+        unstarted[token] = accepted_at
         try:
             self._spawn(_handle_and_close_when_done, timed, self.do_close, args)
         except BaseException:
-            _unstarted.pop(token, None)
+            unstarted.pop(token, None)
             self.do_close(*args)
             raise
 
+    def _linger_then_close(self, *args: Any) -> None:
+        connections.linger_close(args[0])
+        self.do_close(*args)
+
 
 class _HeldHeaders:
-    """A response's socket that holds the headers back (:meth:`hold`) to send them with the next write."""
+    """A response's socket that holds the headers back (:meth:`hold`) to send them with the next write, and gives up
+    on a client that takes no bytes for ``send_timeout_s`` (0: never)."""
 
-    def __init__(self, sock: Any) -> None:
+    def __init__(self, sock: Any, send_timeout_s: float = 0.0) -> None:
         self.sock = sock
+        self.send_timeout_s = send_timeout_s
         self._holding = False
         self._held = b""
 
@@ -153,19 +179,42 @@ class _HeldHeaders:
     def flush(self, data: bytes = b"") -> None:
         held, self._held = self._held, b""
         if held or data:
-            self.sock.sendall(held + data)
+            send_all(self.sock, held + data, self.send_timeout_s)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.sock, name)
 
 
+def send_all(sock: Any, data: bytes, timeout_s: float) -> None:
+    """``sock.sendall(data)``, each wait for the client to take bytes at most ``timeout_s`` (0: no limit); a client
+    that took none for that long is gone to this process: BrokenPipeError (EPIPE: gunicorn closes the connection
+    quietly and closes the response's iterator)."""
+    if timeout_s <= 0:
+        sock.sendall(data)
+        return
+    view, before = memoryview(data), sock.gettimeout()
+    try:
+        sock.settimeout(timeout_s)  # a gevent socket's send waits for room at most this long, each time
+        while view:
+            view = view[sock.send(view):]
+    except TimeoutError:
+        logging.getLogger("llmb.web").info("a client took no bytes of its response for %g s: closing its connection",
+                                           timeout_s)
+        raise BrokenPipeError(errno.EPIPE, f"the client took no bytes for {timeout_s:g} s") from None
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(before)
+
+
 class _OneWriteResponse(wsgi.Response):
     """gunicorn's response, its headers sent with the first piece of its body in one write; a 408 or 413 ends
-    the connection (:data:`CLOSING_STATUSES`)."""
+    the connection (:data:`CLOSING_STATUSES`); a client that stops reading ends it (:func:`send_all`)."""
+
+    send_timeout_s = 0.0  # set by the worker from its settings
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.sock = _HeldHeaders(self.sock)  # type: ignore[has-type]
+        self.sock = _HeldHeaders(self.sock, self.send_timeout_s)  # type: ignore[has-type]
 
     def start_response(self, status: str, headers: Any, exc_info: Any = None) -> Any:
         write = super().start_response(status, headers, exc_info)
@@ -203,16 +252,20 @@ def _arrived(at: float) -> None:
 
 class ArrivalTimingWorker(GeventWorker):
     settings: Settings
+    arrivals: Arrivals
 
     def run(self) -> None:
+        # the app's (create_app's), loaded by now: its door reads the backlog this worker keeps
+        found = getattr(self.wsgi, "extensions", {}).get(ARRIVALS)
+        self.arrivals = found if isinstance(found, Arrivals) else Arrivals()
+        self.arrivals.intake = Intake()
         # gunicorn's run() builds its servers, and each request its response, from these names (this process only)
-        ggevent.StreamServer = _TimedServer
-        wsgi.Response = _OneWriteResponse
+        ggevent.StreamServer = type("TimedServer", (_TimedServer,), {"arrivals": self.arrivals})
+        self.settings = Settings.from_env()
+        wsgi.Response = type("OneWriteResponse", (_OneWriteResponse,),
+                             {"send_timeout_s": self.settings.web.stream_send_timeout_s})
         http.get_parser = _remembering(http.get_parser)
         gunicorn_util.write_error = self._write_error  # its own errors, in JSON
-        self.settings = Settings.from_env()
-        global INTAKE
-        INTAKE = Intake()
         gevent.spawn(self._close_idle_when_stopping)
         for listener in self.sockets:
             connections.stamp_arrivals(listener)
@@ -221,6 +274,10 @@ class ArrivalTimingWorker(GeventWorker):
     def _close_idle_when_stopping(self) -> None:
         while self.alive:
             gevent.sleep(0.2)
+        # A pooled client's next request on a kept-alive connection is answered with Connection: close for a
+        # moment (the server closing an idle connection races the client sending on it: a reset, or "server
+        # disconnected"); only the connections idle through it are closed.
+        gevent.sleep(connections.STOP_GRACE_S)
         connections.IDLE.stop()
 
     def handle(self, listener: Any, client: Any, addr: Any) -> None:
@@ -234,8 +291,9 @@ class ArrivalTimingWorker(GeventWorker):
         _connection.requests += 1
         idle = self.settings.web.header_timeout_s if first else self.settings.web.keepalive_s
         return connections.NextRequest(_connection.client, _connection.parser, idle, self.settings.web.header_timeout_s,
-                                       self.settings.admission.body_timeout_s, _arrived, first=first, intake=INTAKE,
-                                       refuse=_refused_at_accept if at_accept is not None else None)
+                                       self.settings.admission.body_timeout_s, _arrived, first=first,
+                                       intake=self.arrivals.intake,
+                                       refuse=self.arrivals.refused if self.arrivals.at_accept is not None else None)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         _connection.path = getattr(req, "path", None)

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from bench.serving.sse import stream_completion
-from bench.stats import percentile, rounded
+from harness.stats import percentile, rounded
 
 WORDS = ("the", "cat", "sat", "on", "a", "mat", "while", "the", "batch", "ran", "fast", "and", "slow", "on", "red",
          "and", "blue", "workers", "that", "answer", "every", "request", "in", "the", "queue", "with", "a", "token",

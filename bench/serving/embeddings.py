@@ -9,7 +9,7 @@ from typing import Any
 
 from bench.serving.arrivals import WORDS
 from bench.serving.workers import counters, start_worker, stop_worker
-from tests.harness.stack import Stack
+from harness.stack import Stack
 
 EMBED_DEVICE = 2
 
@@ -34,8 +34,8 @@ def embed_in_process(seconds: float) -> dict[str, Any]:
     """The hf-embed backend object itself (the worker's model code, no pipeline), at batch 1 and 100."""
     import torch
 
-    from gpu_worker.backends import device_for
     from gpu_worker.backends.hf_embed import HFEmbedBackend, default_model_path
+    from gpu_worker.backends.registry import device_for
 
     device = device_for(0)
     backend = HFEmbedBackend("all-MiniLM-L6-v2", default_model_path(), device, 100)

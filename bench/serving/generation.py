@@ -12,8 +12,8 @@ from bench.serving.arrivals import drive
 from bench.serving.ledger import batch_members, ledger_batches
 from bench.serving.sse import stream_completion
 from bench.serving.workers import admin_stats, counters, start_worker, stop_worker, wait_idle, worker_id
-from bench.stats import percentile, rounded
-from tests.harness.stack import Stack, wait_for
+from harness.stack import Stack, wait_for
+from harness.stats import percentile, rounded
 
 MODES = ("continuous", "static")
 LM_DEVICE = {"continuous": 0, "static": 1}

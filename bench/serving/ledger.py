@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 
-from tests.harness.stack import Stack
+from harness.stack import Stack
 
 
 def ledger_batches(stack: Stack, worker: str) -> list[tuple[str, float, float, int]]:

@@ -1,4 +1,4 @@
-"""The system under test of the LLM benchmark (``tests/harness/stack.py``'s ``Stack``, in a namespace of its own) and
+"""The system under test of the LLM benchmark (``harness/stack.py``'s ``Stack``, in a namespace of its own) and
 its workers' lifecycle: one worker at a time, started and waited ready, waited idle, stopped gracefully; the
 counters ``llmb-admin stats`` reads, directly and through the command itself."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from tests.harness.stack import Stack, wait_for
+from harness.stack import Stack, wait_for
 
 
 def start_stack(tmp: Path, max_tokens: int, web_workers: int) -> Stack:

@@ -16,8 +16,8 @@ from typing import Any
 
 from transformers.generation.continuous_batching.cache_allocators.cache_allocator import compute_block_hash
 
-from gpu_worker.backends import PrefixCache
 from gpu_worker.backends.generation import Row
+from gpu_worker.backends.interface import PrefixCache
 from gpu_worker.backends.prefix_chains import Chains, held_prefixes
 
 REPORTED_KEYS = 2048  # prefix keys a heartbeat lists at most (the most recently admitted prompts' first)
@@ -42,6 +42,7 @@ class BlockCounter:
         self.hits = 0  # of those, found cached: not prefilled
         self.chains = Chains()
         self._counted: set[str] = set()  # requests already counted (the scheduler may look one up again)
+        self._matched: dict[str, int] = {}  # prompt tokens found cached, by request (its usage's cached_tokens)
         self._wrapped: Any = None  # the cache whose search_prefix_match counts
         self._lock = threading.Lock()
 
@@ -68,7 +69,9 @@ class BlockCounter:
                 if request_id not in self._counted:
                     if len(self._counted) >= COUNTED_KEPT:
                         self._counted.clear()
+                        self._matched.clear()
                     self._counted.add(request_id)
+                    self._matched[request_id] = matched
                     self.queries += (len(prompt_ids) - 1) // self.page_size
                     self.hits += matched // self.page_size
             return matched
@@ -87,9 +90,15 @@ class BlockCounter:
         with self._lock:
             self.chains.remember(row.prefix, pages, len(ids), row.input_chars, self.page_size)
 
+    def cached(self, request_id: str) -> int:
+        """The prompt tokens found cached when the request was first scheduled."""
+        with self._lock:
+            return self._matched.get(request_id, 0)
+
     def finished(self, request_id: str) -> None:
         with self._lock:
             self._counted.discard(request_id)
+            self._matched.pop(request_id, None)
 
     def figures(self) -> PrefixCache:
         self._wrap()

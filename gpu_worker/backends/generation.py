@@ -6,9 +6,11 @@ means it is tested without a model, and neither engine imports the other to reac
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from tasks.schema import Entry, GenerationOutput, SamplingParams
 
 HALF_CHARACTER = "\ufffd"  # what a decoder shows for a multi-byte character whose other tokens are to come
 
@@ -28,24 +30,36 @@ class Row:
     seed: int | None = None  # a sampled row's draws repeat for the same seed (None: a fresh one)
     prefix: tuple[str, ...] = ()  # the batchers' names of its input's start (tasks.policy.prefixes)
     input_chars: int = 0  # its input's length in characters (to map those names to prompt pages)
+    grammar: str | None = None  # what constrains its tokens (llguidance's Lark syntax)
+    presence: float = 0.0  # OpenAI's presence and frequency penalties, and its logit bias by token id
+    frequency: float = 0.0
+    bias: dict[int, float] = field(default_factory=dict)
+    adapter: str | None = None  # its LoRA adapter's name (None: the base model)
 
     @classmethod
-    def from_params(cls, index: int, prompt_ids: list[int], params: Mapping[str, Any]) -> Row:
-        """The API has validated ``params``; a backend called directly gets the same defaults it would."""
-        stop = params.get("stop") or []
-        max_tokens = params.get("max_tokens")
-        logprobs = params.get("logprobs")
-        temperature, top_p, seed = params.get("temperature"), params.get("top_p"), params.get("seed")
-        return cls(index, prompt_ids, 16 if max_tokens is None else int(max_tokens),
-                   [stop] if isinstance(stop, str) else list(stop),
-                   None if logprobs is None else int(logprobs), bool(params.get("echo")),
-                   1.0 if temperature is None else float(temperature), float(top_p or 1.0),
-                   None if seed is None else int(seed))
+    def from_params(cls, index: int, prompt_ids: list[int], params: SamplingParams) -> Row:
+        """The API has validated ``params``; a backend called directly without ``max_tokens`` generates 16."""
+        return cls(index, prompt_ids, 16 if params.max_tokens is None else params.max_tokens, list(params.stop),
+                   params.logprobs, params.echo, float(params.temperature), float(params.top_p or 1.0), params.seed,
+                   grammar=params.grammar, presence=float(params.presence_penalty),
+                   frequency=float(params.frequency_penalty), bias={int(t): float(b) for t, b in params.logit_bias},
+                   adapter=params.adapter)
+
+    @property
+    def shaped(self) -> bool:
+        """Whether its logits are penalised or biased (OpenAI's presence, frequency and logit_bias)."""
+        return bool(self.presence or self.frequency or self.bias)
 
     @property
     def scored(self) -> bool:
         """Whether its answer carries log-probabilities (see :func:`with_logprobs`)."""
         return self.logprobs is not None or self.echo
+
+
+def penalty(token: int, count: int, row: Row) -> float:
+    """What OpenAI adds to ``token``'s logit: its bias, less the presence penalty if it was generated at all and
+    the frequency penalty for each time it was (``count``)."""
+    return row.bias.get(token, 0.0) - row.presence * (count > 0) - row.frequency * count
 
 
 def cut_at_stop(text: str, stop: Sequence[str]) -> tuple[str, bool]:
@@ -87,37 +101,29 @@ class StopText:
         return rest
 
 
-def completion(tokenizer: Any, row: Row, tokens: list[int], finish: str) -> dict[str, Any]:
+def completion(tokenizer: Any, row: Row, tokens: list[int], finish: str) -> GenerationOutput:
     """A row's answer: its text cut at the first stop sequence, the finish reason and its token counts."""
     text, stopped = cut_at_stop(tokenizer.decode(tokens, skip_special_tokens=True), row.stop)
     if stopped:  # count what is sent, not what was generated past the stop
         finish, tokens = "stop", tokenizer(text, add_special_tokens=False)["input_ids"]
-    out: dict[str, Any] = {"text": text, "finish_reason": finish, "prompt_tokens": len(row.prompt_ids),
-                           "completion_tokens": len(tokens)}
-    if row.scored:  # the tokens sent, for the backend to score (:func:`with_logprobs` takes them out again)
-        out[SCORED_IDS] = list(tokens)
-    return out
+    # a scored row keeps the tokens sent, for the backend to score (:func:`with_logprobs` drops them again)
+    return GenerationOutput(text, finish, len(row.prompt_ids), len(tokens),
+                            token_ids=tuple(tokens) if row.scored else None)
 
 
-SCORED_IDS = "_scored_ids"
-# one token's log-probability: its text, its logprob (None for a text's first token, which nothing predicts) and
-# the likeliest tokens at its position as [text, logprob] pairs, likeliest first
-Entry = dict[str, Any]
 
-
-def with_logprobs(output: dict[str, Any], row: Row, prompt: str,
-                  score: Callable[[list[int], int, int], list[Entry]]) -> dict[str, Any]:
+def with_logprobs(output: GenerationOutput, row: Row, prompt: str,
+                  score: Callable[[list[int], int, int], list[Entry]]) -> GenerationOutput:
     """``output`` with the log-probabilities its row asked for: ``logprobs``, one entry per completion token,
     and with ``echo`` also ``prompt`` and ``prompt_logprobs`` (one per prompt token). ``score(ids, start, top)``
     gives the entries of ``ids[start:]`` with the ``top`` likeliest tokens at each, from the backend's model."""
-    ids = output.pop(SCORED_IDS, None)
+    ids = output.token_ids
     if ids is None or not row.scored:
         return output
-    everything = row.prompt_ids + ids
+    everything = row.prompt_ids + list(ids)
     start = 0 if row.echo else len(row.prompt_ids)
     entries = score(everything, start, row.logprobs or 0)
     prompt_entries, entries = entries[:len(row.prompt_ids) - start], entries[len(row.prompt_ids) - start:]
-    output["logprobs"] = entries
     if row.echo:
-        output["prompt"], output["prompt_logprobs"] = prompt, prompt_entries
-    return output
+        return replace(output, logprobs=entries, prompt=prompt, prompt_logprobs=prompt_entries, token_ids=None)
+    return replace(output, logprobs=entries, token_ids=None)

@@ -6,13 +6,13 @@ sentence-transformers' model of that name, without its 200 MB of dependencies.
 """
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from gpu_worker.backends import ItemError
+from gpu_worker.backends.interface import ItemError, in_order
+from tasks.schema import NO_PARAMS, EmbeddingOutput, SamplingParams
 
 
 def default_model_path() -> str:
@@ -36,15 +36,15 @@ class HFEmbedBackend:
         self.model = AutoModel.from_pretrained(path).to(self.device).eval()
         self.max_context = int(min(getattr(self.tokenizer, "model_max_length", 512) or 512,
                                    getattr(self.model.config, "max_position_embeddings", 512) or 512))
-        self.run(["warm-up"], [{}])
+        self.run(["warm-up"], [NO_PARAMS])
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     @torch.inference_mode()
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
-            hooks: Any = None) -> list[Any]:
-        outputs: list[Any] = [None] * len(inputs)
+    def run(self, inputs: Sequence[str], params: Sequence[SamplingParams] | None = None,
+            hooks: object = None) -> list[EmbeddingOutput | ItemError]:
+        outputs: dict[int, EmbeddingOutput | ItemError] = {}
         ok = []
         for i, text in enumerate(inputs):
             n = self.count_tokens(text)
@@ -61,5 +61,5 @@ class HFEmbedBackend:
             pooled = (hidden * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
             vectors = torch.nn.functional.normalize(pooled, p=2, dim=1).cpu().tolist()
             for (i, n), vector in zip(ok, vectors):
-                outputs[i] = {"embedding": vector, "prompt_tokens": n}
-        return outputs
+                outputs[i] = EmbeddingOutput(vector, n)
+        return in_order(outputs, len(inputs))

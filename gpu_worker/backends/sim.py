@@ -14,9 +14,10 @@ import hashlib
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+
+from tasks.schema import SamplingParams
 
 
 def sim_output(text: str) -> str:
@@ -36,8 +37,8 @@ class SimBackend:
     max_context: int = 0
     slots: int = 1
 
-    def run(self, inputs: Sequence[str], params: Sequence[Mapping[str, Any]] | None = None,
-            hooks: Any = None) -> list[str]:
+    def run(self, inputs: Sequence[str], params: Sequence[SamplingParams] | None = None,
+            hooks: object = None) -> list[str]:
         if len(inputs) > self.max_batch:
             raise ValueError(f"batch of {len(inputs)} exceeds the simulated device's {self.max_batch}")
         time.sleep((self.batch_ms + self.item_ms * len(inputs)) / 2000)

@@ -57,12 +57,16 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from gpu_worker.backends.generation import Row, StopText, completion
+from gpu_worker.backends.grammar import RowGrammar
+from gpu_worker.backends.interface import ItemError
 from gpu_worker.backends.prefix_chains import Chain, Chains, held_prefixes
-from gpu_worker.backends.sim_lm_text import VOCAB, SimTokenizer, Text
+from gpu_worker.backends.sim_lm_adapters import AdapterGate
+from gpu_worker.backends.sim_lm_grammar import choose, close_after, in_string, shaped
+from gpu_worker.backends.sim_lm_text import EOS, VOCAB, SimTokenizer, Text
 
 # -- the published figures the defaults come from (see the module docstring) --------------------------------
 LLAMA2_7B = {"layers": 32, "hidden": 4096, "params": 6_738_415_616, "context": 4096}
@@ -93,7 +97,9 @@ class Timing:
 
 
 # -- sequences ----------------------------------------------------------------------------------------------
-Event = tuple[str, int, Any]  # ("delta", index, text) or ("done", index, the completion dict)
+# ("delta", index, text), ("done", index, its GenerationOutput), ("failed", index, its ItemError: this row alone)
+# or ("error", -1, exc): the simulator failed
+Event = tuple[str, int, Any]
 
 
 @dataclass(eq=False)
@@ -115,6 +121,12 @@ class Seq:
     shared: list[int] = field(default_factory=list)  # prompt page keys it holds
     private: int = 0  # pages of its own it holds
     done: bool = False
+    grammar: RowGrammar | None = None  # what constrains its tokens (set once compiled, before it joins the batch)
+    cached: int = 0  # prompt tokens the prefix cache held on its first admission
+    calls_first: bool = False  # a chat offering tools whose last word is the user's: open with a tool call
+    adapter: str | None = None  # its LoRA adapter (gpu_worker.backends.sim_lm_adapters): joins once resident
+    adapter_path: str | None = None  # ... its directory (its rank and size), and whether it is pinned
+    adapter_pinned: bool = False
 
     def __post_init__(self) -> None:
         self.rule = StopText(self.row.stop) if self.row.stop or self.streaming else None
@@ -132,11 +144,23 @@ class Seq:
     def advance(self, tokenizer: SimTokenizer) -> list[Event]:
         """One decoding step: the next token, or EOS; the events it gives (a delta to stream, the end).
         EOS costs its step, as on a real model, and is not part of the answer."""
-        if self.eos_at is not None and len(self.tokens) == self.eos_at:
+        if self.grammar is not None:
+            token = self._constrained()
+            if self.grammar.error:  # over its limits while generating: this row fails alone
+                self.done = True
+                return [("failed", self.row.index, ItemError("invalid_request", "the grammar exceeded this "
+                                                             f"worker's limits: {self.grammar.error[:300]}"))]
+            if token == EOS:
+                return [self.finish(tokenizer, "stop")]
+        elif self.eos_at is not None and len(self.tokens) == self.eos_at:
             return [self.finish(tokenizer, "stop")]
-        token = self.text.token(len(self.tokens))
+        else:
+            token = self.text.token(len(self.tokens))
+            if self.row.shaped:
+                token = shaped(token, self.text.draw(len(self.tokens)), self.tokens, self.row)
         self.tokens.append(token)
-        self._text += VOCAB[token]
+        self._text = self._text + VOCAB[token] if self.grammar is None and not self.row.shaped \
+            else tokenizer.decode(self.tokens)
         events: list[Event] = []
         if self.rule is not None:
             delta = self.rule.feed(self._text)
@@ -148,9 +172,21 @@ class Seq:
             events.append(self.finish(tokenizer, "length"))
         return events
 
+    def _constrained(self) -> int:
+        """The next token among those the grammar allows (EOS once it is complete), fed to the grammar."""
+        assert self.grammar is not None
+        position = len(self.tokens)
+        token = choose(self.grammar, self.text.token(position), self.text.draw(position),
+                       position >= close_after(self.row.max_tokens), in_string(self._text), first=position == 0,
+                       call=self.calls_first)
+        if token != EOS and not self.grammar.consume(token):
+            return EOS  # cannot happen with a token of the mask; ends the row rather than the batch
+        return token
+
     def finish(self, tokenizer: SimTokenizer, reason: str) -> Event:
         self.done = True
-        return ("done", self.row.index, completion(tokenizer, self.row, self.tokens, reason))
+        output = completion(tokenizer, self.row, self.tokens, reason)
+        return ("done", self.row.index, replace(output, cached_tokens=self.cached) if self.cached else output)
 
 
 def page_keys(prompt_ids: Sequence[int], page_size: int) -> list[int]:
@@ -280,8 +316,10 @@ class Step:
 class Engine:
     """Iteration-level scheduling of sequences under a KV budget; one :meth:`step` is one decoding step."""
 
-    def __init__(self, timing: Timing, kv: KVCache, max_seqs: int, tokenizer: SimTokenizer | None = None) -> None:
+    def __init__(self, timing: Timing, kv: KVCache, max_seqs: int, tokenizer: SimTokenizer | None = None,
+                 adapters: AdapterGate | None = None) -> None:
         self.timing = timing
+        self.adapters = adapters  # rows with a LoRA adapter join once it is resident, a few adapters a step
         self.kv = kv
         self.max_seqs = max_seqs
         self.tokenizer = tokenizer or SimTokenizer()
@@ -306,8 +344,7 @@ class Engine:
         retired = 0
         for seq in [s for s in (*self.running, *self.waiting) if s.cancelled()]:  # caller gone: free it now
             if seq in self.running:
-                self.running.remove(seq)
-                self.kv.release(seq)
+                self._leave(seq)
             else:
                 self.waiting.remove(seq)
             out.append((seq, seq.finish(self.tokenizer, "cancelled")))
@@ -327,26 +364,48 @@ class Engine:
             self.kv.hold(seq, seq.length + 1)
             i += 1
         admitted = prefill = 0
+        passed: list[Seq] = []  # rows whose adapter is not resident, or one too many for this step: they wait
         while (not preempted and self.waiting and len(self.running) < self.max_seqs
                and self.kv.cost(self.waiting[0], self.waiting[0].length + 1) <= self.kv.free):
             seq = self.waiting.popleft()
-            prefill += max(1, seq.length - self.kv.lookup(seq) * self.kv.page_size)  # pages here: no prefill
+            if seq.adapter is not None and self.adapters is not None:
+                if not self.adapters.admits(seq.adapter, self.running_adapters()):
+                    passed.append(seq)
+                    continue
+                self.adapters.residency.acquire(seq.adapter)
+            found = self.kv.lookup(seq) * self.kv.page_size  # pages here: no prefill
+            seq.cached = seq.cached or min(found, seq.prompt_len)
+            prefill += max(1, seq.length - found)
             self.kv.hold(seq, seq.length + 1)
             self.running.append(seq)
             admitted += 1
+        self.waiting.extendleft(reversed(passed))
         n = len(self.running)
+        factor = self.adapters.factor(self.running_adapters()) if self.adapters is not None else 1.0
         for seq in list(self.running):
             events = seq.advance(self.tokenizer)
             out += [(seq, e) for e in events]
             if seq.done:
-                self.running.remove(seq)
-                self.kv.release(seq)
+                self._leave(seq)
                 retired += 1
-        ms = self.timing.step(n, prefill) if n else 0.0
+        ms = self.timing.step(n, prefill) * factor if n else 0.0
         return Step(ms, n, prefill, out, admitted, retired, preempted)
 
-    def _preempt(self, seq: Seq) -> None:
+    def running_adapters(self) -> set[str]:
+        return {s.adapter for s in self.running if s.adapter is not None}
+
+    def _leave(self, seq: Seq) -> None:
+        self.running.remove(seq)
+        self._release(seq)
+
+    def _release(self, seq: Seq) -> None:
+        """``seq`` stops running (done, cancelled or preempted): its pages and its hold on its adapter go."""
         self.kv.release(seq)
+        if seq.adapter is not None and self.adapters is not None:
+            self.adapters.residency.release(seq.adapter)
+
+    def _preempt(self, seq: Seq) -> None:
+        self._release(seq)
         self.waiting.appendleft(seq)
 
 

@@ -13,6 +13,14 @@ _CONSONANTS, _VOWELS = "bdfghklmnprstvz", "aeiou"
 _SYLLABLES = [c + v for c in _CONSONANTS for v in _VOWELS]
 WORDS = [" " + a for a in _SYLLABLES] + [" " + a + b for a in _SYLLABLES for b in _SYLLABLES]
 VOCAB = [".", ",", *WORDS]  # token id -> text; every entry is one token to the tokeniser
+# the rest of the vocabulary, which only constrained rows choose from (what a grammar needs, as in a real model's
+# byte-level vocabulary): the words without their space, JSON's punctuation, every byte, and the end of sequence
+JSON_PIECES = ['{"', '":', '":"', '","', '",', '"}', '"]', '["', '[{', '}]', '},{', ': ', ', ', "true", "false",
+               "null", "<tool_call>", "</tool_call>", '"name"', '"arguments"', "\n"]
+BYTES_FROM = len(VOCAB) + len(WORDS) + len(JSON_PIECES)
+TOKEN_BYTES = [t.encode() for t in (*VOCAB, *(w[1:] for w in WORDS), *JSON_PIECES)] + [bytes([b]) for b in range(256)]
+EOS = len(TOKEN_BYTES)  # the end-of-sequence token: no text
+TOKEN_BYTES.append(b"")
 
 
 class SimTokenizer:
@@ -37,7 +45,32 @@ class SimTokenizer:
         return {"input_ids": self.encode(text)}
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return "".join(VOCAB[i] for i in ids)
+        if all(i < len(VOCAB) for i in ids):
+            return "".join(VOCAB[i] for i in ids)
+        return b"".join(TOKEN_BYTES[i] for i in ids).decode("utf-8", "replace")
+
+
+def piece(token: int) -> str:
+    """One token's text (a lone byte of a longer character shows as the replacement character)."""
+    return VOCAB[token] if token < len(VOCAB) else TOKEN_BYTES[token].decode("utf-8", "replace")
+
+
+_BY_BYTES = {t: i for i, t in reversed(list(enumerate(TOKEN_BYTES[:EOS])))}  # the lowest id of each text
+_LONGEST = max(len(t) for t in TOKEN_BYTES)
+
+
+def byte_tokens(data: bytes) -> list[int]:
+    """``data`` tokenised greedily, longest token first (how a grammar's forced text is written: any tokenisation
+    is valid to the grammar, and the longest takes the fewest steps)."""
+    out, at = [], 0
+    while at < len(data):
+        for size in range(min(_LONGEST, len(data) - at), 0, -1):
+            token = _BY_BYTES.get(data[at:at + size])
+            if token is not None:
+                out.append(token)
+                at += size
+                break
+    return out
 
 
 GREEDY = b"greedy"
@@ -68,6 +101,10 @@ class Text:
         if r < 70:
             return 1  # ","
         return 2 + (h >> 10) % len(WORDS)
+
+    def draw(self, position: int) -> int:
+        """A 64-bit draw of its own at ``position``, for a constrained row's choice among the allowed tokens."""
+        return self._hash(b"c" + position.to_bytes(4, "big"))
 
     def eos(self, mean: float) -> int | None:
         """Tokens before the end-of-sequence token: geometric with mean ``mean``; None when EOS is off."""

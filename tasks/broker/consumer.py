@@ -1,8 +1,10 @@
 """The batcher process: a Celery worker whose only job is a bootstep consuming the request queue.
 
 The bootstep is glue between kombu and :class:`tasks.policy.batcher.Batcher`: it decodes messages at the edge,
-arms one timer on the worker's event loop for the next flush, refreshes the fleet view from Redis, and
-publishes each batch as a Celery task to the chosen worker's own queue, with publisher confirms. It also
+refreshes the fleet view from Redis, and carries out what the batcher decides (a
+:class:`~tasks.policy.scheduler_output.SchedulerOutput`): publishes each batch as a Celery task to the chosen
+worker's own queue, with publisher confirms, records dropped items in the ledger, acknowledges the request
+messages so resolved, and arms one timer on the worker's event loop for the next flush. It also
 consumes the workers' batch announcements and the recovery queue (:mod:`tasks.broker.recovery`), and checks for
 lost workers at every tick.
 """
@@ -28,10 +30,9 @@ from tasks.broker.recovery import Recovery
 from tasks.config import Settings
 from tasks.heap import settle
 from tasks.logs import setup_logging
-from tasks.policy.batcher import Batcher
-from tasks.policy.flush import FlushPolicy
-from tasks.policy.wait import WaitPolicy
-from tasks.schema import Batch, BatchEvent, BatchItem, WorkerInfo
+from tasks.policy.batcher import Batcher, BatcherConfig
+from tasks.policy.scheduler_output import Drop, SchedulerOutput, Send
+from tasks.schema import Batch, BatchEvent, WorkerInfo
 from tasks.state.admission import Admission
 from tasks.state.claims import Claims
 from tasks.state.clock import SharedClock
@@ -55,20 +56,12 @@ class BatchingStep(bootsteps.ConsumerStep):
         self.settings = settings_of(c.app)
         s = self.settings
         client = redis_client(s, socket_timeout=2, socket_connect_timeout=2)
-        stats = Stats.from_settings(s, client)
+        self.stats = stats = Stats.from_settings(s, client)
         self.clock = SharedClock.from_settings(s, client)  # deadlines and heartbeats are on it, whatever host set them
         self.fleet = Fleet.from_settings(s, client)
         self.workers = FleetCache(self.fleet, s.worker.heartbeat_interval_s / 2, wallclock=self.clock)
         self.ledger = LedgerWriter.from_settings(s, on_drop=lambda n: stats.add("ledger_dropped", n))
-        self.batcher = Batcher(FlushPolicy(s.batcher.max_batch_size, s.batcher.max_wait_s, s.batcher.max_batch_bytes),
-                               self._dispatch,
-                               self._live_workers, max_outstanding=s.worker.max_outstanding_batches,
-                               lead_s=s.batcher.dispatch_lead_s, max_retries=s.batcher.max_retries,
-                               wait=WaitPolicy(s.batcher.wait_mode, s.batcher.max_wait_s, s.batcher.min_wait_s,
-                                               s.batcher.adaptive_max_wait_s),
-                               quantum=s.batcher.fair_quantum, offline_wait_s=s.batcher.offline_max_wait_s,
-                               on_dropped=self._on_dropped, wallclock=self.clock,
-                               prefix_routing=s.batcher.prefix_routing, prefix_wait_s=s.batcher.prefix_wait_s,
+        self.batcher = Batcher(BatcherConfig.from_settings(s), self._live_workers, wallclock=self.clock,
                                stamp=tracing.stamp_batch if tracing.enabled() else None)
         quarantine = Quarantine.from_settings(s, client)
         self.admission = Admission.from_settings(s, client)  # reaps what lost API processes had admitted
@@ -131,7 +124,7 @@ class BatchingStep(bootsteps.ConsumerStep):
             log.error("dropping malformed request message: %s", exc)
             message.ack()
             return
-        self._arm(self.batcher.add_message(requests, message.ack))
+        self._carry_out(self.batcher.add_message(requests, message.ack))
 
     def _on_batch_event(self, message: Message) -> None:
         try:
@@ -141,21 +134,18 @@ class BatchingStep(bootsteps.ConsumerStep):
             return
         if event.event == "started":
             idle_s = None if event.idle_ms is None else event.idle_ms / 1000
-            self._arm(self.batcher.started(event.worker, event.batch_id, event.at, idle_s))
+            self._carry_out(self.batcher.started(event.worker, event.batch_id, event.at, idle_s))
         else:
             run_s = None if event.run_ms is None else event.run_ms / 1000
-            self._arm(self.batcher.finished(event.worker, event.batch_id, run_s, event.tokens))
+            self._carry_out(self.batcher.finished(event.worker, event.batch_id, run_s, event.tokens))
 
     def _on_recovery(self, message: Message) -> None:
-        self._arm(self.recovery.on_message(message))
-
-    def _on_dropped(self, model: str, items: list[BatchItem]) -> None:
-        self.ledger.record(ItemsOutcome(model, items, "expired", "deadline passed before it could run"))
+        self._carry_out(self.recovery.on_message(message))
 
     def _on_timer(self) -> None:
         self._timer = None
         self._timer_eta = float("inf")
-        self._arm(self.batcher.poll())
+        self._carry_out(self.batcher.poll())
 
     def _on_tick(self) -> None:
         """Periodic: take back lost workers' batches, restore a quarantine Redis lost, release what lost API
@@ -171,7 +161,48 @@ class BatchingStep(bootsteps.ConsumerStep):
             log.warning("could not release what lost API processes had admitted: %s", exc)
         self.batcher.forget_stale_in_flight(older_than_s=600)
         self.workers.invalidate()
-        self._arm(self.batcher.retry_held())
+        self._carry_out(self.batcher.retry_held())
+
+    # -- carrying out the batcher's decisions --------------------------------------------------------
+    def _carry_out(self, out: SchedulerOutput) -> None:
+        """Publish the batches decided, in order, then record the drops and acknowledge the messages resolved. A
+        batch the broker refuses goes back to the batcher with the steps after it (it keeps their batches for the
+        next retry); the drops among them stand. Publishing first leaves nothing decided but not published if an
+        acknowledgement fails (the channel is gone)."""
+        steps, next_poll_s = out.steps, out.next_poll_s
+        for i, step in enumerate(steps):
+            if isinstance(step, Send) and not self._publish(step):
+                back = self.batcher.unsent(steps[i:])
+                steps, next_poll_s = (*steps[:i], *back.steps), back.next_poll_s
+                break
+        for step in steps:
+            if isinstance(step, Drop):
+                self.ledger.record(ItemsOutcome(step.model, list(step.items), step.status, step.reason))
+        for message in (*out.acks, *(m for step in steps for m in step.acks)):
+            message.ack()
+        self._arm(next_poll_s)
+
+    def _publish(self, send: Send) -> bool:
+        batch, worker = send.batch, send.worker
+        try:
+            self.app.send_task(
+                RUN_BATCH, args=[batch.to_dict()], queue=worker.queue, task_id=batch.id,
+                argsrepr=batch_label(batch), retry=True, retry_policy=RETRY_POLICY,
+            )
+        except Exception:
+            log.exception("could not hand batch %s to %s; keeping it", batch.id, worker.id)
+            return False
+        log.debug("batch %s size=%d -> %s", batch.id, len(batch.items), worker.id)
+        adapters: dict[str, int] = {}
+        for item in batch.items:
+            if item.params.adapter:
+                adapters[item.params.adapter] = adapters.get(item.params.adapter, 0) + 1
+        if adapters:  # per-adapter traffic for /metrics; a miss is a lost count, never a lost batch
+            try:
+                self.stats.count_adapters(adapters)
+            except redis.RedisError:
+                log.warning("could not count batch %s's adapters", batch.id)
+        return True
 
     def _arm(self, delay: float | None) -> None:
         if delay is None:
@@ -191,7 +222,7 @@ class BatchingStep(bootsteps.ConsumerStep):
         self._timer = self._tick = None
         self._timer_eta = float("inf")
 
-    # -- I/O handed to the Batcher -------------------------------------------------------------------
+    # -- the fleet view handed to the Batcher --------------------------------------------------------
     def _live_workers(self) -> list[WorkerInfo]:
         try:
             workers = self.workers.get()
@@ -200,12 +231,16 @@ class BatchingStep(bootsteps.ConsumerStep):
             workers = self.workers.keep()
         return self.recovery.routable(workers)
 
-    def _dispatch(self, batch: Batch, worker: WorkerInfo) -> None:
-        self.app.send_task(
-            RUN_BATCH, args=[batch.to_dict()], queue=worker.queue, task_id=batch.id,
-            argsrepr=f"batch of {len(batch.items)} for {batch.model}", retry=True, retry_policy=RETRY_POLICY,
-        )
-        log.debug("batch %s size=%d -> %s", batch.id, len(batch.items), worker.id)
+
+def batch_label(batch: Batch, shown: int = 4) -> str:
+    """What Flower shows of a batch: its size and model, and the LoRA adapters its items name (a few, then how
+    many more), so an operator sees which tenants' fine-tunes a worker runs."""
+    label = f"batch of {len(batch.items)} for {batch.model}"
+    adapters = sorted({i.params.adapter for i in batch.items if i.params.adapter})
+    if adapters:
+        more = f" +{len(adapters) - shown}" if len(adapters) > shown else ""
+        label += f" (adapters: {', '.join(adapters[:shown])}{more})"
+    return label
 
 
 @click.command()

@@ -31,8 +31,9 @@ from tasks.broker.celery_app import batch_of_task
 from tasks.broker.queues import RETRY_POLICY
 from tasks.errors import PoisonInput, RetriesExhausted
 from tasks.policy.batcher import Batcher
+from tasks.policy.scheduler_output import SchedulerOutput
 from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, WorkerInfo, input_hash
-from tasks.state.claims import Claims, Verdict
+from tasks.state.claims import Claims, ClaimVerdict
 from tasks.state.fleet import Fleet
 from tasks.state.quarantine import Quarantine
 from tasks.state.results import ResultWriter
@@ -66,8 +67,8 @@ class Recovery:
         self._unconsumed: dict[str, tuple[str, float]] = {}
 
     # -- the recovery queue --------------------------------------------------------------------------
-    def on_message(self, message: Message) -> float | None:
-        """Handle one recovery message; returns the batcher's next poll delay."""
+    def on_message(self, message: Message) -> SchedulerOutput:
+        """Handle one recovery message; returns the batcher's decisions (its batches sent again, first)."""
         try:
             body = json.loads(message.body)
             batch = Batch.from_dict(body["batch"])
@@ -75,15 +76,15 @@ class Recovery:
         except (ValueError, KeyError, TypeError) as exc:
             log.error("dropping a malformed recovery message: %s", exc)
             message.ack()
-            return None
+            return SchedulerOutput()
         worker, error = str(body.get("worker", "")), str(body.get("error", ""))
         blame = str(body.get("blame") or worker)
         if kind == LOST:
             claim = self.claims.for_recovery(batch.id, str(body.get("token", batch.id)))
-            if claim.verdict is Verdict.SKIP:
+            if claim.verdict is ClaimVerdict.SKIP:
                 message.ack()
-                return None
-            failure = Failure.STRANDED if claim.verdict is Verdict.STRANDED else Failure.DIED
+                return SchedulerOutput()
+            failure = Failure.STRANDED if claim.verdict is ClaimVerdict.STRANDED else Failure.DIED
             blame = claim.worker or worker
             self.record(BatchOutcome(batch, "reassigned" if failure is Failure.STRANDED else "died", "retrying",
                                      blame, error, finished_at=time.time()))
@@ -97,8 +98,8 @@ class Recovery:
         if decided.poison:
             self._poison(batch, failure, decided.poison, error)
         if decided.exhausted:
-            text = (f"the request lost its worker more than {self.batcher.max_retries} times (it died or was cut "
-                    "off while holding it); giving up")
+            text = (f"the request lost its worker more than {self.batcher.config.max_retries} times (it died or was "
+                    "cut off while holding it); giving up")
             self._answer(decided.exhausted, RetriesExhausted.type, text)
             self.record(ItemsOutcome(batch.model, decided.exhausted, "exhausted", text, batch.id))
         return self.batcher.requeue(decided.batches, message.ack)

@@ -11,7 +11,7 @@ from typing import Any
 import click
 import redis
 
-from tasks.cli.main import Admin, cli, fail, pass_admin
+from tasks.cli.main import Admin, cli, fail, first_line, pass_admin, shown_url
 from tasks.schema import WorkerInfo
 from tasks.state.metrics import Stats
 from tasks.state.model_load import model_report
@@ -27,7 +27,8 @@ def workers(admin: Admin, as_json: bool) -> None:
         now = admin.clock()()
         rows = sorted(fleet.all(), key=lambda w: w.id)
     except redis.RedisError as exc:
-        fail(f"cannot reach Redis at {admin.settings.stores.redis_url}: {exc}")
+        fail(f"cannot reach Redis at {shown_url(admin.settings.stores.redis_url)}: "
+             f"{first_line(exc, admin.settings.stores.redis_url)}")
     if as_json:
         click.echo(json.dumps([{**w.__dict__, "live": now - w.heartbeat_at <= fleet.stale_after_s}
                                for w in rows], indent=2))
@@ -44,11 +45,26 @@ def workers(admin: Admin, as_json: bool) -> None:
         click.echo(f"{w.id:<28} {w.model:<16} {state:<6} {w.outstanding:>6} {w.free_in_ms:>7.0f}ms "
                    f"{w.batch_ms_estimate:>7.0f}ms {w.completed:>7} {w.tokens_per_s:>8.1f} {w.utilisation:>5.0%} "
                    f"{_kv(w):>9} {_hit_rate(w):>10} {w.cached_blocks:>7} {age:>5.1f}s  {w.queue}")
+    serving = [w for w in rows if w.max_adapters > 0]
+    if serving:  # LoRA adapters (issue 44): resident (most recently used first), loading, loads and evictions
+        click.echo(f"\n{'WORKER':<28} {'ADAPTERS':>8} {'LOADS':>7} {'EVICTED':>7}  RESIDENT (MRU FIRST) / LOADING")
+        for w in serving:
+            loading = f" / loading {', '.join(w.adapters_loading)}" if w.adapters_loading else ""
+            click.echo(f"{w.id:<28} {len(w.adapters):>3}/{w.max_adapters:<4} {w.adapter_loads:>7} "
+                       f"{w.adapter_evictions:>7}  {_names(w.adapters)}{loading}")
 
 
 def _kv(w: WorkerInfo) -> str:
     """KV cache in use, as a share of the worker's budget ('-' where it advertises none)."""
     return f"{w.kv_used / w.kv_tokens:.0%}" if w.kv_tokens else "-"
+
+
+def _names(names: tuple[str, ...], shown: int = 8) -> str:
+    """The first few adapter names, then how many more ('-' for none)."""
+    if not names:
+        return "-"
+    more = f" +{len(names) - shown}" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
 
 
 def _hit_rate(w: WorkerInfo) -> str:
@@ -79,13 +95,13 @@ def stats(admin: Admin, interval: float, as_json: bool) -> None:
         live = len(live_workers)
         models = model_report(admission, live_workers, now, s.tenants.scale_headroom)
     except redis.RedisError as exc:
-        fail(f"cannot reach Redis at {s.stores.redis_url}: {exc}")
+        fail(f"cannot reach Redis at {shown_url(s.stores.redis_url)}: {first_line(exc, s.stores.redis_url)}")
     queued: int | None
     try:
         queued = admin.publisher().queue_depth()
     except Exception as exc:
         queued = None
-        click.echo(f"warning: cannot read the request queue from RabbitMQ: {exc}", err=True)
+        click.echo(f"warning: cannot read the request queue from RabbitMQ: {first_line(exc, s.broker.url)}", err=True)
     items, batches, tokens = (after[n] - before[n] for n in ("items_done", "batches_done", "tokens"))
     tokens_per_s = tokens / interval
     devices_cost_per_s = s.models.device_price_per_hour * live / 3600

@@ -5,23 +5,28 @@ Connection settings come from the same ``LLMB_*`` variables as every process, or
 """
 from __future__ import annotations
 
+import re
 import uuid
 from typing import NoReturn
 
 import click
 import redis
-from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
 
 from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
+from tasks.gateway.admission_queue import AdmissionQueue
 from tasks.gateway.gateway import Gateway
+from tasks.gateway.parts import GatewayParts
 from tasks.state.admission import Admission
 from tasks.state.clock import SharedClock
 from tasks.state.connect import redis_client
-from tasks.state.fleet import Fleet
+from tasks.state.fleet import Fleet, FleetCache
+from tasks.state.journal import Journal
 from tasks.state.keys import Keys
 from tasks.state.quarantine import Quarantine
+from tasks.state.requests import Requests
+from tasks.state.results import ResultListener
 from tasks.store.ledger import Ledger
 from tasks.store.models import make_engine
 
@@ -67,7 +72,14 @@ class Admin:
         return RequestPublisher(s.broker.url, s.request_queue, pool_size, queue_type=s.broker.queue_type)
 
     def gateway(self) -> Gateway:
-        return Gateway(self.settings, self.redis, self.publisher(4), f"cli-{uuid.uuid4().hex}")
+        """A gateway of its own (``llmb-admin replay``), built here as an API process builds its own."""
+        s, instance_id, clock, names = self.settings, f"cli-{uuid.uuid4().hex}", self.clock(), self.keys
+        workers = FleetCache(self.fleet(), s.worker.heartbeat_interval_s / 2, draining=True, wallclock=clock)
+        listener = ResultListener(self.redis, names.replies(instance_id), names.result, s.stores.result_recheck_s)
+        parts = GatewayParts(instance_id, self.redis, clock, Admission.from_settings(s, self.redis, instance_id),
+                             Requests.from_settings(s, self.redis), workers, listener,
+                             Journal(self.redis, names, s.stores.result_ttl_s), self.publisher(4))
+        return Gateway(s, parts, AdmissionQueue(s, workers))
 
 
 pass_admin = click.make_pass_decorator(Admin)
@@ -77,17 +89,26 @@ def fail(message: str) -> NoReturn:
     raise click.ClickException(message)
 
 
-def first_line(exc: Exception) -> str:
-    """SQLAlchemy's messages go on with the statement and a link: the first line says what happened."""
-    return (str(exc).splitlines() or [""])[0]
+# a URL's user:password@ (the password may hold an unescaped "@": it ends at the last "@" of the word)
+_USERINFO = re.compile(r"(?P<head>://[^:/@\s]*:)(?P<password>[^\s]*)@")
 
 
 def shown_url(url: str) -> str:
-    """A database URL fit to print: its password hidden."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # not a URL at all: the error about it says so
-        return url
+    """A URL fit to print (the database's, Redis's, the broker's), or a text holding URLs: every password
+    hidden, whatever the scheme, and whether or not the URL is one SQLAlchemy can read. Every command prints
+    a URL, or an error that may quote one, through this (or :func:`first_line`)."""
+    return _USERINFO.sub(r"\g<head>***@", url)
+
+
+def first_line(exc: BaseException, *urls: str) -> str:
+    """An error's first line (SQLAlchemy's go on with the statement and a link), fit to print: any URL in it,
+    and the passwords of ``urls`` alone (a driver may quote either), hidden."""
+    text = shown_url((str(exc).splitlines() or [""])[0])
+    for url in urls:
+        found = _USERINFO.search(url)
+        if found and found.group("password"):
+            text = text.replace(found.group("password"), "***")
+    return text
 
 
 @click.group()

@@ -39,11 +39,12 @@ def quarantine_list(admin: Admin, as_json: bool) -> None:
     try:
         durable = admin.ledger().quarantined()
     except SQLAlchemyError as exc:
-        problems.append(f"cannot read the ledger at {shown_url(s.stores.database_url)}: {first_line(exc)}")
+        problems.append(f"cannot read the ledger at {shown_url(s.stores.database_url)}: "
+                        f"{first_line(exc, s.stores.database_url)}")
     try:
         live, enforced = q.list(), q.members()
     except redis.RedisError as exc:
-        problems.append(f"cannot reach Redis at {s.stores.redis_url}: {exc}")
+        problems.append(f"cannot reach Redis at {shown_url(s.stores.redis_url)}: {first_line(exc, s.stores.redis_url)}")
     if len(problems) == 2:
         fail("; ".join(problems))
     for problem in problems:
@@ -81,13 +82,14 @@ def quarantine_release(admin: Admin, digest: str) -> None:
         in_ledger = admin.ledger().release(digest)
     except SQLAlchemyError as exc:
         click.echo(f"warning: cannot record the release in the ledger at {shown_url(s.stores.database_url)} "
-                   f"({first_line(exc)}): the input is accepted again now, but a restarted Redis would refuse "
-                   "it again; run this command once more when the database is reachable", err=True)
+                   f"({first_line(exc, s.stores.database_url)}): the input is accepted again now, but a "
+                   "restarted Redis would refuse it again; run this command once more when the database is "
+                   "reachable", err=True)
     try:
         in_redis = admin.quarantine().release(digest)
     except redis.RedisError as exc:
         recorded = " (the ledger records it as released; run this again to release it in Redis)" if in_ledger else ""
-        fail(f"cannot reach Redis at {s.stores.redis_url}: {exc}{recorded}")
+        fail(f"cannot reach Redis at {shown_url(s.stores.redis_url)}: {first_line(exc, s.stores.redis_url)}{recorded}")
     if not in_redis and in_ledger is None:
         fail(f"{digest} is not quarantined in Redis, and the ledger, which may still hold it, cannot be reached: "
              "run this again when the database is reachable")

@@ -1,8 +1,8 @@
 """`llmb-admin requeue` and `replay`: send requests stored in the ledger through the system again.
 
 A replay is the same call as the first: the same tenant (with its weight and cap as they are now), model,
-priority class and parameters (``max_tokens``, ``temperature``, ``seed``, chat or completion), which the
-ledger keeps for every request. Only the input itself is kept optionally (``LLMB_STORE_INPUTS=true``), so only
+priority class and parameters (``max_tokens``, ``temperature``, ``seed``, chat or completion, the LoRA adapter),
+which the ledger keeps for every request. Only the input itself is kept optionally (``LLMB_STORE_INPUTS=true``), so only
 requests whose inputs were stored can be sent again.
 """
 from __future__ import annotations
@@ -16,12 +16,12 @@ from typing import Any
 import click
 from sqlalchemy import select
 
-from tasks.cli.main import Admin, cli, fail, pass_admin
+from tasks.cli.main import Admin, cli, fail, pass_admin, shown_url
 from tasks.errors import BatchingError
 from tasks.gateway.calls import Call
 from tasks.gateway.gateway import Gateway
 from tasks.policy.tenancy import TenantPolicy
-from tasks.schema import Priority
+from tasks.schema import NO_PARAMS, Priority, SamplingParams
 from tasks.store.directory import TenantDirectory
 from tasks.store.models import BatchRecord, BatchRequest, RequestRecord
 from tasks.store.tenants import KeyStore
@@ -29,7 +29,7 @@ from tasks.store.tenants import KeyStore
 
 def replay_call(record: RequestRecord, policy: TenantPolicy, timeout_ms: int) -> Call:
     """The call that sends this ledger request again, as its caller first asked for it."""
-    params = json.loads(record.params) if record.params else {}
+    params = SamplingParams.from_dict(json.loads(record.params)) if record.params else NO_PARAMS
     priority = Priority(record.priority) if record.priority else Priority.INTERACTIVE
     return Call(request_id=f"replay-{record.id}", tenant=record.tenant, model=record.model,
                 inputs=(record.input or "",), timeout_ms=timeout_ms, params=params, weight=policy.weight,
@@ -79,7 +79,8 @@ def requeue(admin: Admin, ident: str, timeout_ms: int) -> None:
             records = [record]
         else:
             if session.get(BatchRecord, ident) is None:
-                fail(f"no batch or request with id {ident!r} in the ledger at {admin.settings.stores.database_url}")
+                fail(f"no batch or request with id {ident!r} in the ledger at "
+                     f"{shown_url(admin.settings.stores.database_url)}")
             records = list(session.scalars(select(RequestRecord).join(
                 BatchRequest, BatchRequest.request_id == RequestRecord.id).where(BatchRequest.batch_id == ident)))
         _need_inputs(records)
@@ -108,18 +109,20 @@ def _parse_time(value: str | None) -> datetime | None:
 @click.option("--since", help="Accepted at or after this ISO time (UTC unless it says otherwise).")
 @click.option("--until", help="Accepted before this ISO time.")
 @click.option("--tenant", help="Only this tenant's requests.")
-@click.option("--model", help="Only requests for this model.")
+@click.option("--model", help="Only requests for this model (an adapter's call: its base model).")
+@click.option("--adapter", help="Only requests that ran with this LoRA adapter (they run with it again).")
 @click.option("--limit", default=10_000, show_default=True, type=click.IntRange(min=1))
 @click.option("--concurrency", default=32, show_default=True, type=click.IntRange(1, 1000))
 @click.option("--timeout-ms", default=30_000, show_default=True, type=click.IntRange(min=1))
 @click.option("--dry-run", is_flag=True, help="Only say what would be sent.")
 @pass_admin
 def replay(admin: Admin, status: str | None, since: str | None, until: str | None, tenant: str | None,
-           model: str | None, limit: int, concurrency: int, timeout_ms: int, dry_run: bool) -> None:
+           model: str | None, adapter: str | None, limit: int, concurrency: int, timeout_ms: int,
+           dry_run: bool) -> None:
     """Send stored requests through the system again (their inputs must have been stored)."""
     query = select(RequestRecord).order_by(RequestRecord.accepted_at).limit(limit)
     for column, value in ((RequestRecord.status, status), (RequestRecord.tenant, tenant),
-                          (RequestRecord.model, model)):
+                          (RequestRecord.model, model), (RequestRecord.adapter, adapter)):
         if value:
             query = query.where(column == value)
     if (start := _parse_time(since)) is not None:

@@ -11,10 +11,9 @@ from typing import Any, NoReturn
 
 import click
 from sqlalchemy import inspect
-from sqlalchemy.engine import make_url
 from sqlalchemy.exc import SQLAlchemyError
 
-from tasks.cli.main import Admin, cli, fail, first_line, pass_admin
+from tasks.cli.main import Admin, cli, fail, first_line, pass_admin, shown_url
 from tasks.policy.tenancy import TenantPolicy
 from tasks.schema import Priority
 from tasks.store.tenants import KeyInfo, KeyStore
@@ -25,12 +24,12 @@ def _key_store(admin: Admin) -> Iterator[KeyStore]:
     """The store, with database failures told as what to do about them."""
     url = admin.settings.stores.database_url
     try:
-        shown = make_url(url).render_as_string(hide_password=True)
+        shown = shown_url(url)
         store = KeyStore.from_settings(admin.settings)
     except ValueError as exc:  # LLMB_TENANT_* defaults out of range
         fail(f"invalid tenant defaults: {exc}")
     except SQLAlchemyError as exc:
-        fail(f"invalid database URL {url!r}: {exc}")
+        fail(f"invalid database URL {shown_url(url)!r}: {first_line(exc, url)}")
     try:
         yield store
     except SQLAlchemyError as exc:

@@ -3,12 +3,11 @@ and a streamed call's events. Values only: the web app builds and renders them w
 from __future__ import annotations
 
 from collections.abc import Generator, Iterator
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 from tasks.errors import BatchingError
 from tasks.policy.stream_position import Position
-from tasks.schema import ItemResult, Priority
+from tasks.schema import NO_PARAMS, ItemResult, Priority, SamplingParams
 from tasks.state.records import Record, State
 
 
@@ -21,7 +20,7 @@ class Call:
     model: str
     inputs: tuple[str, ...]
     timeout_ms: int
-    params: dict[str, Any] = field(default_factory=dict)  # model parameters, passed to the worker as they are
+    params: SamplingParams = NO_PARAMS  # model parameters, passed to the worker as they are
     weight: float = 1.0  # the tenant's share of batch slots when tenants compete
     priority: Priority = Priority.INTERACTIVE
     tenant_cap: int | None = None  # the tenant's in-flight cap (None: only the global caps)

@@ -4,13 +4,13 @@ The web app is a thin shell over :meth:`Gateway.submit`; anything else that subm
 replay, a benchmark) can use the same path. This module is the first half of a call: its checks, its turn at
 the gate (:mod:`tasks.gateway.gate`), its admission and publishing in a round with the other calls this process
 has ready (:mod:`tasks.gateway.rounds`). The wait for its results is :mod:`tasks.gateway.waiting`; idempotent
-retries and lookups by id :mod:`tasks.gateway.idempotency`; what each refusal says :mod:`tasks.policy.refusal`.
+retries and lookups by id :mod:`tasks.gateway.idempotency`; what each refusal says :mod:`tasks.policy.refusal`;
+this process's view of each model's admission queue, which it keeps up to date, :mod:`tasks.gateway.admission_queue`.
+It builds none of its Redis and RabbitMQ parts: its process's composition root hands them in (:class:`GatewayParts`).
 """
 from __future__ import annotations
 
 import logging
-import math
-import threading
 import time
 from collections.abc import Callable, Generator, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -21,34 +21,33 @@ from typing import TypeVar
 import redis
 
 from tasks import tracing
-from tasks.broker.queues import RequestPublisher
 from tasks.config import Settings
-from tasks.errors import BatchingError, IdempotencyConflict, InvalidInput, NotResumable, QueueFull, Unavailable
-from tasks.gateway import readiness
+from tasks.errors import BatchingError, IdempotencyConflict, InvalidInput, NotResumable, Unavailable
+from tasks.gateway.admission_queue import AdmissionQueue
 from tasks.gateway.calls import Answer, Call, Delta, Done, Event, Events, Lookup, Resumed
 from tasks.gateway.gate import NO_GATE, Gate, Turn
 from tasks.gateway.idempotency import Replays, replayed
 from tasks.gateway.lease import Lease
-from tasks.gateway.links import PUBLISH_ERRORS, REDIS_TIMEOUT_S, broker_refusal, redis_call, redis_refusal
+from tasks.gateway.links import (
+    PUBLISH_ERRORS,
+    REDIS_TIMEOUT_S,
+    broker_refusal,
+    live_workers,
+    redis_call,
+    redis_refusal,
+)
+from tasks.gateway.parts import GatewayParts
 from tasks.gateway.prepared import Joining, Prepared, request_of
 from tasks.gateway.resume import Resumer
 from tasks.gateway.rounds import ROUND_MAX_CALLS, Rounds
-from tasks.gateway.waiting import Entered, Waiter, Waiting
-from tasks.policy.capacity import deadline_cap, left_after, throughput
-from tasks.policy.refusal import HeldFull, admission_refusal, deadline_refusal, shortest_answer_s, token_demand
-from tasks.policy.room import Placed, Room
-from tasks.policy.shedding import too_slow
+from tasks.gateway.waiting import Entered, ResultWait, Waiter
+from tasks.policy.refusal import admission_refusal, deadline_refusal, shortest_answer_s, token_demand
 from tasks.policy.stream_position import BadPosition, Position
-from tasks.schema import Priority, WorkerInfo, input_hash
-from tasks.state.admission import Admission, AdmitCall, Decision, Ticket, Verdict
-from tasks.state.clock import SharedClock
-from tasks.state.fleet import Fleet, FleetCache
-from tasks.state.journal import Journal
+from tasks.schema import WorkerInfo, input_hash
+from tasks.state.admission import AdmitCall, Decision, Ticket
 from tasks.state.keys import Keys
 from tasks.state.metrics import door_round_calls
 from tasks.state.records import Idempotency, Shape
-from tasks.state.requests import Requests
-from tasks.state.results import ResultListener
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -56,12 +55,6 @@ T = TypeVar("T")
 # An admission reaching Redis later than this after it was sent is refused by the script itself: its caller
 # may have had a timeout by then (503), and admitting it would hold capacity nobody releases.
 ADMIT_VALID_S = REDIS_TIMEOUT_S / 2
-# a request let in by the door's view of the line stops counting there this long after the door's own bound on
-# its wait (it was refused or dropped without a verdict)
-ROOM_PENDING_SLACK_S = 0.5
-# calls a second one API process takes through admission while others wait, until it has measured its pace (a
-# 2-core host under a flood: 450-1,200)
-ROOM_ADMITS_PER_S = 400.0
 
 
 def _decided(outcomes: Sequence[Waiter | BatchingError | None]) -> list[Waiter | BatchingError]:
@@ -72,7 +65,7 @@ def _decided(outcomes: Sequence[Waiter | BatchingError | None]) -> list[Waiter |
 
 
 class _LineTurn(Turn):
-    """A call's turn at the gate that, given up, also ends its place in the door's view of the line."""
+    """A call's turn at the gate that, given up, also ends its place in the admission queue's view."""
 
     def __init__(self, turn: Turn, through: Callable[[], None]) -> None:
         super().__init__()
@@ -84,58 +77,39 @@ class _LineTurn(Turn):
 
 
 class Gateway:
-    def __init__(self, settings: Settings, client: redis.Redis, publisher: RequestPublisher, instance_id: str,
-                 gate: Gate | None = None) -> None:
+    """Admits, publishes and waits, on the ``parts`` its process built (:class:`GatewayParts`). ``queue``: this
+    process's view of each model's admission queue, which the door reads too; ``gate``: the turnstile in front of
+    admission (none: every call goes at once); ``monotonic``: this process's own clock, which its waits run on."""
+
+    def __init__(self, settings: Settings, parts: GatewayParts, queue: AdmissionQueue, gate: Gate | None = None,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
-        self.gate = gate  # an API process's turnstile in front of admission (none: every call goes at once)
-        self.full = HeldFull()  # the fresh FULL verdicts of this process's admissions
-        self._full = self.full.verdicts  # model, class -> (until, refusal)
-        # each model's line as this process sees it, for the door to judge a request as it arrives
-        self._reading_fleet = threading.Lock()  # gevent's once gunicorn's worker has monkey-patched threading
-        self.room = Room(settings.web.workers, settings.admission.door_max_delay_s + ROOM_PENDING_SLACK_S,
-                         time.monotonic)
-        self.client = client
-        self.publisher = publisher
-        self.keys = Keys.from_settings(settings)
-        self.reply_to = self.keys.replies(instance_id)
-        self.instance_id = instance_id
-        self.admission = Admission.from_settings(settings, client, instance_id)
-        self.requests = Requests.from_settings(settings, client)
-        self.lease = Lease(self.admission, settings.admission.api_lease_s / 3)
+        self.gate = gate
+        self.queue = queue
+        self._monotonic = monotonic
+        self._instance_id = parts.instance_id
+        self._reply_to = parts.listener.channel
         # Times other hosts compare with (deadlines sent to batchers and workers, heartbeats read) are on the
         # fleet's shared clock; this process's own waits run on its monotonic clock.
-        self.clock = SharedClock.from_settings(settings, client)
-        self.fleet = Fleet.from_settings(settings, client)
-        # A stopping worker still serves its model: a rolling restart must not flap it to 503.
-        self.workers = FleetCache(self.fleet, settings.worker.heartbeat_interval_s / 2, draining=True,
-                                  wallclock=self.clock)
-        self.result_key = self.keys.result
-        self.listener = ResultListener(client, self.reply_to, self.result_key, settings.stores.result_recheck_s)
-        self.replays = Replays(self.requests, self.listener)
-        self.journal = Journal(client, self.keys, settings.stores.result_ttl_s)
-        self.resumer = Resumer(self.journal, self.listener, self.clock)
-        self.waiting = Waiting(client, self.keys, self.admission, self.requests, self.listener, self.replays,
-                               self.clock, journal=self.journal, resume_s=settings.stores.stream_resume_s)
+        self._clock = parts.clock
+        self._admission, self._requests, self._workers = parts.admission, parts.requests, parts.workers
+        self._listener, self._journal, self._publisher = parts.listener, parts.journal, parts.publisher
+        self._lease = Lease(self._admission, settings.admission.api_lease_s / 3)
+        self._replays = Replays(self._requests, self._listener)
+        self._resumer = Resumer(self._journal, self._listener, self._clock)
+        self._waiting = ResultWait(parts.client, Keys.from_settings(settings), self._admission, self._requests,
+                                   self._listener, self._replays, self._clock, journal=self._journal,
+                                   resume_s=settings.stores.stream_resume_s)
         # The calls this process has ready at once go to Redis and RabbitMQ together.
-        self.rounds: Rounds[Joining, Waiter] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
+        self._rounds: Rounds[Joining, Waiter] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
             "the call's admission round was interrupted; retry"))
 
     def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
         """The live fleet; cached for half a heartbeat interval (``fresh``: read it now)."""
-        try:
-            return self.workers.get(fresh)
-        except redis.RedisError as exc:
-            raise redis_refusal(exc) from None
+        return live_workers(self._workers, fresh)
 
     def live_models(self, fresh: bool = False) -> set[str]:
         return {w.model for w in self.live_workers(fresh)}
-
-    def cap_for(self, model: str, timeout_s: float, workers: list[WorkerInfo] | None = None) -> int:
-        """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s`` (``workers``:
-        the model's live workers, when the caller has them)."""
-        if workers is None:
-            workers = [w for w in self.live_workers() if w.model == model]
-        return deadline_cap(workers, timeout_s, self.settings.admission.cap, self.settings.admission.queue_share)
 
     def _workers_of(self, model: str) -> list[WorkerInfo] | None:
         """The live workers of ``model`` (None when the fleet cannot be read: that refusal comes later)."""
@@ -155,26 +129,26 @@ class Gateway:
         entered = self._enter(call, shape or Shape(), idempotency, follow=True)
         if isinstance(entered, Answer):
             return entered
-        return self.waiting.answer(call, entered)
+        return self._waiting.answer(call, entered)
 
     def _traced_submit(self, call: Call, shape: Shape | None, idempotency: Idempotency | None) -> Answer:
         """:meth:`submit` with its ``llmb.admit`` and ``llmb.wait`` spans (``call.trace``: its llmb.call span)."""
-        started = self.clock()
+        started = self._clock()
         try:
             entered = self._enter(call, shape or Shape(), idempotency, follow=True)
         finally:
-            tracing.record("llmb.admit", call.trace, started, self.clock())
+            tracing.record("llmb.admit", call.trace, started, self._clock())
         if isinstance(entered, Answer):
             return entered
-        wait = tracing.start("llmb.wait", call.trace, at=self.clock())
+        wait = tracing.start("llmb.wait", call.trace, at=self._clock())
         error: BaseException | None = None
         try:
-            return self.waiting.answer(call, entered)
+            return self._waiting.answer(call, entered)
         except BaseException as exc:
             error = exc
             raise
         finally:
-            tracing.end(wait, self.clock(), error)
+            tracing.end(wait, self._clock(), error)
 
     def stream(self, call: Call, *, shape: Shape | None = None, idempotency: Idempotency | None = None) -> Events:
         """Admit and publish a call now (so refusals raise here), then return its events (:class:`Event`): each
@@ -185,23 +159,24 @@ class Gateway:
 
         An idempotent retry of a finished stream gets the first call's results, each as one Done; of a stream
         still running, IdempotencyInProgress (409): its text went to the first caller."""
-        call = replace(call, params={**call.params, "stream": True})
-        started = self.clock() if call.trace is not None else 0.0
+        call = replace(call, params=replace(call.params, stream=True))
+        started = self._clock() if call.trace is not None else 0.0
         try:
             entered = self._enter(call, replace(shape or Shape(), stream=True), idempotency, follow=False)
         finally:
             if call.trace is not None:
-                tracing.record("llmb.admit", call.trace, started, self.clock())
+                tracing.record("llmb.admit", call.trace, started, self._clock())
         if isinstance(entered, Answer):
             return Events(entered.request_id, replayed(entered.results), replayed=True)
-        events = self.waiting.events(Ticket(call.tenant, call.model, call.priority), entered)
-        return Events(call.request_id, events if call.trace is None else _traced(events, call.trace, self.clock))
+        events = self._waiting.events(Ticket(call.tenant, call.model, call.priority), entered)
+        return Events(call.request_id, events if call.trace is None else _traced(events, call.trace, self._clock))
 
     def resume(self, tenant: str, request_id: str, last_event_id: str | None) -> Resumed | None:
         """The tenant's streamed call of this id again, after the event ``last_event_id`` names (None: from the
-        start); None: no such call of this tenant. Marks it resumed, so that the process its client left does not
-        cancel it. Raises NotResumable (a call that was not streamed; an echoed prompt that was not sent) or
-        InvalidInput (an id this stream never sent)."""
+        start); None: no such call of this tenant. Once this process's cap on resumed streams admits it (429 if
+        not), marks it resumed, so that the process its client left does not cancel it. Raises NotResumable (a
+        call that was not streamed; an echoed prompt that was not sent) or InvalidInput (an id this stream never
+        sent)."""
         found = self.lookup(tenant, request_id)
         if found is None:
             return None
@@ -216,25 +191,13 @@ class Gateway:
         if record.shape.echo and not all(c.opened for c in position.choices):
             raise NotResumable("a completion that echoes its prompt resumes only after its opening chunks (the "
                                "prompt is not kept)")
-        redis_call(lambda: self.journal.mark_resumed(tenant, record.request_id))
-        return Resumed(record, position, self.resumer.events(record, position))
+        events = self._resumer.events(record, position)  # Overloaded first: a refused resume marks nothing
+        redis_call(lambda: self._journal.mark_resumed(tenant, record.request_id, record.items))
+        return Resumed(record, position, events)
 
     def lookup(self, tenant: str, request_id: str) -> Lookup | None:
         """The tenant's call of this id (None: unknown to this tenant, or expired)."""
-        return self.replays.lookup(tenant, request_id)
-
-    def redis_call(self, command: Callable[[], T]) -> T:
-        """A Redis command of the request path: 429 when this process's pool stays taken, 503 when Redis is away.
-        Routes that read Redis through the gateway's objects (the admin API) go through it too: one translation."""
-        return redis_call(command)
-
-    def cancel(self, item_ids: list[str]) -> None:
-        """Tell the workers these callers are gone, so generation for them stops (best effort)."""
-        self.waiting.cancel(item_ids)
-
-    def ping(self) -> dict[str, object]:
-        """Readiness: broker and Redis reachable, and the live workers. Raises Unavailable otherwise."""
-        return readiness.ping(self.client, self.fleet, self.clock, self.publisher)
+        return self._replays.lookup(tenant, request_id)
 
     # -- admission -------------------------------------------------------------------------------------
     def _enter(self, call: Call, shape: Shape, idempotency: Idempotency | None, *, follow: bool) -> Entered | Answer:
@@ -247,14 +210,15 @@ class Gateway:
 
         With ``idempotency`` the key is claimed (one Lua call) just before admission; when it names an earlier
         call, that call is followed instead (:meth:`Replays.follow`). Any refusal before the request is published
-        releases the key."""
+        releases the key. A model the fleet does not know is refused first, before anything is kept for it."""
+        self.queue.refuse_unknown(call.model)
         done = False
 
         def through() -> None:  # once: when its turn is given up, or when it ends without one
             nonlocal done
             if not done:
                 done = True
-                self.room.ended((call.model, call.priority))
+                self.queue.ended(call.model, call.priority)
 
         try:
             while True:
@@ -264,14 +228,14 @@ class Gateway:
                     prepared = self._prepare(call, shape)
                     claim = None
                     if idempotency is not None:
-                        self.lease.keep()  # the lease tells whoever follows this call that its process is alive
+                        self._lease.keep()  # the lease tells whoever follows this call that its process is alive
                         # its record lives under its key from now on (every later write finds it there), not its id
                         prepared = replace(prepared, record=replace(prepared.record, key_hash=idempotency.key_hash))
-                        claim = redis_call(partial(self.requests.claim, replace(prepared.record, published=False),
-                                                   idempotency, self.clock()))
+                        claim = redis_call(partial(self._requests.claim, replace(prepared.record, published=False),
+                                                   idempotency, self._clock()))
                     if idempotency is None or claim is None or claim.claimed:
                         return self._admitted(call, prepared, idempotency, turn)
-                answer = self.replays.follow(call, idempotency, claim, prepared.deadline, follow)  # turn given up
+                answer = self._replays.follow(call, idempotency, claim, prepared.deadline, follow)  # turn given up
                 if answer is not None:
                     return answer
         finally:  # through admission, whatever came of it: the door's view of the line moves on
@@ -280,73 +244,9 @@ class Gateway:
     def _still_full(self, call: Call) -> None:
         """Raise the QueueFull of the model's last FULL verdict while it is fresh (FULL_HOLD_S): the calls of a
         flood are then refused without waiting for a turn or asking Redis, in the time a batch drains a few items."""
-        held = self.held_full(call.model, call.priority)
-        if held is not None and not self._light(call.tenant):
+        held = self.queue.held_full(call.model, call.priority)
+        if held is not None and not self.queue.light(call.tenant):
             raise held
-
-    def held_full(self, model: str, priority: Priority) -> QueueFull | None:
-        """The refusal a call of ``model`` in class ``priority`` gets now without asking Redis (None: ask): the
-        last FULL verdict for them, while it is fresh. Idempotent retries are not held (see :meth:`_enter`)."""
-        return self.full.held(model, priority, time.monotonic())
-
-    def place(self, model: str, priority: Priority, timeout_s: float,
-              waited_s: float = 0.0) -> QueueFull | Placed:
-        """Where a call of a heavy caller arriving now stands in its model's line, as this process sees it
-        (:class:`tasks.policy.room.Room`). Its turn at admission comes once the calls this process let in before
-        it are through, at the pace it takes calls through. Refused (Overloaded) when that turn would come
-        later than the door's bound (``LLMB_DOOR_MAX_DELAY_MS`` from its arrival, ``waited_s`` ago), where the
-        door would refuse it then; refused (QueueFull) when the fleet could not answer it within ``timeout_s``
-        by the cap the admission script applies, reckoned at its turn (the line shorter by then by what the
-        fleet answers meanwhile: :func:`tasks.policy.capacity.left_after`); otherwise let in and counted ahead of
-        the next. Nothing is judged while no live worker of the model is known (its answer comes the usual
-        way)."""
-        fleet = self.workers.last  # the view admission keeps fresh: no I/O here
-        if not fleet:  # this process has not read it yet: one reads it, the others wait for that read
-            with self._reading_fleet:
-                try:
-                    fleet = self.workers.last or self.live_workers()
-                except BatchingError:
-                    return Placed.UNKNOWN
-        workers = [w for w in fleet if w.model == model]
-        if not workers:
-            return Placed.UNKNOWN
-        key = (model, priority)
-        ahead = self.room.place(key)
-        through_per_s = self.room.pace() or ROOM_ADMITS_PER_S
-        turn_s = self.room.waiting() / through_per_s
-        bound_s = self.settings.admission.door_max_delay_s
-        if bound_s and waited_s + turn_s > bound_s:
-            return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))
-        at_turn = left_after(ahead, workers, turn_s)  # the fleet works through the line meanwhile
-        if at_turn + 1 > self.cap_for(model, timeout_s - turn_s, workers):
-            return admission_refusal(Verdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
-                                     hashes=(), workers=workers, admission_cap=self.settings.admission.cap,
-                                     retry_floor_s=self.settings.admission.retry_after_s)  # type: ignore[return-value]
-        self.room.let_in(key)
-        return Placed.IN_LINE
-
-    def line_forming(self) -> bool:
-        """Whether calls this process let in on arrival are waiting for admission: only then is an arriving call
-        whose body trails its headers worth waiting a moment for (:mod:`webapp.accept_door`)."""
-        return self.room.waiting() > 0
-
-    def holds_full(self) -> bool:
-        """Whether any FULL verdict is fresh: the door looks for one at accept only then."""
-        return self.full.any_fresh(time.monotonic())
-
-    def _light(self, tenant: str) -> bool:
-        """Whether ``tenant`` sends well under an even share of this process's recent calls (its gate's count)."""
-        return self.gate is not None and self.gate.callers.light(tenant)
-
-    def _model_cap(self, call: Call, remaining_s: float) -> int:
-        """The model's cap for a call: the deadline cap (what the fleet can answer within ``remaining_s``), or for
-        a light tenant the configured cap. The batchers serve tenants fairly, so a light tenant's items run
-        ahead of a flood's queue, and refusing them because the flood filled the model was what the steady
-        tenant beside a 5,000-call flood saw (10-54 of its 200 calls 429 queue_full); a light tenant is by
-        definition a small share of the calls, so letting it past adds little."""
-        if self._light(call.tenant):
-            return self.settings.admission.cap
-        return self.cap_for(call.model, remaining_s)
 
     @contextmanager
     def _turn(self, tenant: str, through: Callable[[], None]) -> Iterator[Turn]:
@@ -362,14 +262,14 @@ class Gateway:
             waiter = self._admit(call, prepared, turn, recorded=idempotency is not None)
         except BaseException:
             if idempotency is not None:
-                self.replays.forget(prepared.record, idempotency)
+                self._replays.forget(prepared.record, idempotency)
             raise
         return Entered([i.id for i in prepared.request.items], prepared.deadline, prepared.request.accepted_at,
                        prepared.record, idempotency, waiter)
 
     def _prepare(self, call: Call, shape: Shape) -> Prepared:
         """The checks before admission, and the request (and its record) a call would be admitted as."""
-        now = time.monotonic()
+        now = self._monotonic()
         deadline = (call.received_at or now) + call.timeout_ms / 1000
         remaining_s = deadline - now
         refused = deadline_refusal(call.model, call.timeout_ms, remaining_s, now - (call.received_at or now),
@@ -377,7 +277,7 @@ class Gateway:
                                    self.settings.admission.retry_after_s)
         if refused is not None:
             raise refused
-        request, record = request_of(call, shape, self.clock(), remaining_s, self.reply_to, self.instance_id)
+        request, record = request_of(call, shape, self._clock(), remaining_s, self._reply_to, self._instance_id)
         item_tokens, token_cap = token_demand(call.inputs, call.params, call.model,
                                               lambda: self._workers_of(call.model),
                                               self.settings.tenants.kv_admission_factor)
@@ -388,11 +288,11 @@ class Gateway:
         other calls this process has ready (:mod:`tasks.gateway.rounds`); its ``turn`` at the gate is given up
         once only the broker's confirm is left to wait for. Returns the result listener's waiter."""
         # the record must exist before any result does: written with the admission (unless its claim wrote it)
-        record = None if recorded else self.requests.admitted(prepared.record, self.clock())
+        record = None if recorded else self._requests.admitted(prepared.record, self._clock())
         request = prepared.request
         admit = AdmitCall(tuple(i.id for i in request.items), tuple(input_hash(call.model, t) for t in call.inputs),
                           Ticket(call.tenant, call.model, call.priority), request.accepted_at, prepared.remaining_s,
-                          self._model_cap(call, prepared.remaining_s), call.tenant_cap,
+                          self.queue.model_cap(call.tenant, call.model, prepared.remaining_s), call.tenant_cap,
                           tuple(prepared.item_tokens), prepared.token_cap, record)
         joining = Joining(call, prepared, admit, turn)
         if recorded:  # an idempotent call goes alone: a process killed between a round's confirm and its mark
@@ -400,7 +300,7 @@ class Gateway:
             if isinstance(outcome, Exception):
                 raise outcome
             return outcome
-        return self.rounds.join(joining)
+        return self._rounds.join(joining)
 
     def _admit_round(self, calls: Sequence[Joining], hand_on: Callable[[], None]) -> list[Waiter | BatchingError]:
         """One round: admit the calls in one script call, publish those admitted in one message. A listener's
@@ -409,8 +309,8 @@ class Gateway:
         the whole publish timeout, and each round must get its 503 within it, not after the rounds before it."""
         door_round_calls().observe(len(calls))
         try:
-            self.lease.keep()
-            decisions = self.admission.try_admit_many([c.admit for c in calls], self.clock() + ADMIT_VALID_S)
+            self._lease.keep()
+            decisions = self._admission.try_admit_many([c.admit for c in calls], self._clock() + ADMIT_VALID_S)
         except redis.RedisError as exc:
             return [redis_refusal(exc) for _ in calls]
         outcomes: list[Waiter | BatchingError | None] = [self._refusal(c, d) for c, d in zip(calls, decisions)]
@@ -427,7 +327,7 @@ class Gateway:
                 return _decided(outcomes)
             # listening before publishing: a result or streamed text can come back before publish() returns
             for i in published:
-                waiters[i] = self.listener.expect(list(calls[i].admit.item_ids))
+                waiters[i] = self._listener.expect(list(calls[i].admit.item_ids))
                 calls[i].turn.leave()
             hand_on()
             error = self._mark_sending([calls[i] for i in published]) or self._publish(
@@ -449,17 +349,13 @@ class Gateway:
 
     def _refusal(self, joining: Joining, decision: Decision) -> BatchingError | None:
         """The error a call is refused with for this admission verdict (None: admitted); a FULL one is held for
-        the model and class (:meth:`held_full`)."""
+        the model and class (:meth:`AdmissionQueue.held_full`)."""
         call, (verdict, bad_hash, ahead) = joining.call, decision
         error = admission_refusal(verdict, bad_hash, ahead, model=call.model, tenant=call.tenant,
-                                  tenant_cap=call.tenant_cap, hashes=joining.admit.hashes, workers=self.workers.last,
+                                  tenant_cap=call.tenant_cap, hashes=joining.admit.hashes, workers=self._workers.last,
                                   admission_cap=self.settings.admission.cap,
                                   retry_floor_s=self.settings.admission.retry_after_s)
-        if verdict is Verdict.FULL and isinstance(error, QueueFull):
-            self.full.hold(call.model, call.priority, error, time.monotonic())
-        if verdict in (Verdict.OK, Verdict.FULL):  # the model's count, for the door's view of its line
-            served = [w for w in self.workers.last if w.model == call.model]
-            self.room.decided((call.model, call.priority), ahead, throughput(served))
+        self.queue.decided(call.model, call.priority, verdict, ahead, error)  # for the door's view of the queue
         return error
 
     def _unserved(self, model: str) -> BatchingError | None:
@@ -479,9 +375,9 @@ class Gateway:
     def _publish(self, calls: Sequence[Prepared]) -> BatchingError | None:
         """Publish the requests of a round as one message; the error its callers get when that fails."""
         budget = min(self.settings.broker.publish_timeout_s, max(0.0,
-                                                                 max(c.deadline for c in calls) - time.monotonic()))
+                                                                 max(c.deadline for c in calls) - self._monotonic()))
         try:
-            self.publisher.publish([c.request for c in calls], budget)
+            self._publisher.publish([c.request for c in calls], budget)
         except PUBLISH_ERRORS as exc:
             return broker_refusal(exc)
         return None
@@ -495,9 +391,11 @@ class Gateway:
         if not records:
             return None
         try:
-            written = self.requests.published(records, sending=True)
+            written = self._requests.published(records, sending=True)
         except redis.RedisError as exc:
             return redis_refusal(exc)
+        if None in written:  # Redis lost the records (a restart): nobody holds their keys; not sent, retryable
+            return Unavailable("Redis lost this call's idempotency record before it was sent (a restart?); retry")
         if not all(written):
             return IdempotencyConflict("a retry with this Idempotency-Key took the call over while this one waited; "
                                        "its answer is the retry's")
@@ -511,7 +409,7 @@ class Gateway:
         if not records:
             return
         try:
-            self.requests.published(records)
+            self._requests.published(records)
         except redis.RedisError as exc:
             log.warning("could not mark %d requests published: %s", len(records), exc)
 
@@ -519,11 +417,11 @@ class Gateway:
         """Undo the admission of a call that will not be published: its items, the record the admission wrote,
         its listener's waiter."""
         ids = list(joining.admit.item_ids)
-        self.waiting.release(joining.admit.ticket, ids)
+        self._waiting.release(joining.admit.ticket, ids)
         if joining.admit.record is not None:
-            self.replays.forget(joining.prepared.record, None)
+            self._replays.forget(joining.prepared.record, None)
         if waiter is not None:
-            self.listener.forget(ids, waiter)
+            self._listener.forget(ids, waiter)
 
 
 def _traced(events: Generator[Event, None, None], parent: str,

@@ -9,7 +9,7 @@ from functools import partial
 
 import redis
 
-from tasks.errors import BatchingError, DeadlineExceeded, IdempotencyConflict, IdempotencyInProgress
+from tasks.errors import BatchingError, DeadlineExceeded, IdempotencyConflict, IdempotencyInProgress, error_of_type
 from tasks.gateway.calls import Answer, Call, Done, Event, Lookup
 from tasks.gateway.links import redis_call
 from tasks.policy.refusal import error_of
@@ -25,10 +25,8 @@ OUTCOME_POLL_S = 0.05  # ... and this often once the results are in, until the l
 
 
 def replayed_error(record: Record, outcome: Outcome) -> BatchingError:
-    """The error a recorded call was answered with, again (same status, type and message; the first's id)."""
-    error = BatchingError(outcome.message)
-    error.status, error.type, error.replay_of = outcome.status, outcome.type, record.request_id
-    return error
+    """The error a recorded call was answered with, again (same type and message; the first's id)."""
+    return error_of_type(outcome.type, outcome.message, replay_of=record.request_id)
 
 
 def replayed(results: tuple[ItemResult, ...]) -> Generator[Event, None, None]:
@@ -54,7 +52,7 @@ class Replays:
         record = view.record
         outcome = record.outcome
         running = Lookup(record, State.RUNNING, view.present)
-        if outcome is not None and outcome.status != 200:
+        if outcome is not None and outcome.failed:
             return Lookup(record, State.FAILED, view.present, error=replayed_error(record, outcome))
         if view.expired:
             error = DeadlineExceeded(f"no output before the deadline of request {record.request_id!r}")

@@ -13,8 +13,10 @@ from kombu.exceptions import KombuError
 from tasks.broker.queues import PublisherBusy, PublishTimeout
 from tasks.config import Settings
 from tasks.errors import BatchingError, Overloaded, Unavailable
+from tasks.schema import WorkerInfo
 from tasks.state import connect
 from tasks.state.connect import PoolExhausted
+from tasks.state.fleet import FleetCache
 
 T = TypeVar("T")
 
@@ -50,6 +52,14 @@ def redis_call(command: Callable[[], T]) -> T:
     """A Redis command of the request path, its failure translated by :func:`redis_refusal` (and raised)."""
     try:
         return command()
+    except redis.RedisError as exc:
+        raise redis_refusal(exc) from None
+
+
+def live_workers(workers: FleetCache, fresh: bool = False) -> list[WorkerInfo]:
+    """The live fleet from this process's cache of it (``fresh``: read it now), a Redis failure translated."""
+    try:
+        return workers.get(fresh)
     except redis.RedisError as exc:
         raise redis_refusal(exc) from None
 

@@ -44,7 +44,9 @@ def request_of(call: Call, shape: Shape, accepted_at: float, remaining_s: float,
         accepted_at=accepted_at, deadline=accepted_at + remaining_s, reply_to=reply_to,
         params=call.params, weight=call.weight, priority=call.priority, trace=call.trace,
     )
-    record = Record(request_id=call.request_id, tenant=call.tenant, model=call.model,
+    # the record names the model as the caller did (an adapter by its name): what GET /v1/requests/<id> and a
+    # resumed stream show
+    record = Record(request_id=call.request_id, tenant=call.tenant, model=call.params.adapter or call.model,
                     items=tuple(i.id for i in items), accepted_at=accepted_at, deadline=request.deadline,
                     instance=instance_id, shape=shape)
     return request, record

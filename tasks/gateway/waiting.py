@@ -43,7 +43,7 @@ class Entered:
     waiter: Waiter  # the result listener's, registered before the request was published
 
 
-class Waiting:
+class ResultWait:
     """Waits for admitted calls' results and records how each ended."""
 
     def __init__(self, client: redis.Redis, keys: Keys, admission: Admission, requests: Requests,
@@ -80,7 +80,7 @@ class Waiting:
             if len(ids) < every:
                 return self.reads.join(CollectCall(ticket, tuple(ids), keys))[0]
             total_ms = round((time.monotonic() - started) * 1000, 1)
-            record = self.requests.finished(entered.record, Outcome(200, total_ms=total_ms))
+            record = self.requests.finished(entered.record, Outcome(total_ms=total_ms))
             values, done = self.reads.join(CollectCall(ticket, tuple(ids), keys, record))
             if done:
                 finished.append(total_ms)
@@ -185,7 +185,7 @@ class Waiting:
                              results=tuple(found[i] for i in entered.ids))
                 return
             assert self.journal is not None
-            if self.journal.resumed(record.tenant, record.request_id):
+            if self.journal.resumed(record.tenant, record.request_id, record.items):
                 if rest and time.monotonic() < entered.deadline and self._later(ticket, entered, rest):
                     return  # its client came back: it runs on
                 self.release(ticket, rest)
@@ -211,8 +211,7 @@ class Waiting:
                 results: Sequence[ItemResult] = ()) -> bool:
         """Record how an admitted call ended (best effort: without Redis its results are the record); with its
         ``results``, the record expires with the first of them."""
-        outcome = Outcome(200, total_ms=total_ms) if error is None else Outcome(error.status, error.type,
-                                                                                error.message)
+        outcome = Outcome(total_ms=total_ms) if error is None else Outcome(error.type, error.message)
         written_at = min((r.started_at + r.run_ms / 1000 for r in results), default=None)
         try:
             self.requests.finish(entered.record, outcome, entered.idempotency, self.clock(), written_at)

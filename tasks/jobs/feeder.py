@@ -10,7 +10,8 @@ then one that writes the lines, so neither holds the file), then keep a bounded 
 (:class:`tasks.policy.feeding.FeedControl`: it grows while lines are admitted and answered promptly, halves and
 pauses on 429 as Retry-After says, backs off on outages), commit finished lines in groups, and assemble the output
 and error files once no line is pending. A cancelled job stops sending and lets its running lines finish. Every
-``LLMB_FILES_CLEANUP_S`` the feeder also deletes expired files and what killed uploads left behind.
+``LLMB_FILES_CLEANUP_S`` the feeder also deletes expired files, what killed uploads left behind, and the lines of
+ended jobs still in the database (at most ``SWEEP_LINES`` a pass).
 
 What runs one line is given to the feeder (``run_line``: the API's own parsing and response shapes, composed in
 :mod:`webapp.jobs`), so that this module knows nothing of HTTP.
@@ -38,12 +39,14 @@ from dataclasses import dataclass, field
 from sqlalchemy.exc import SQLAlchemyError
 
 from tasks.config import Settings
-from tasks.jobs.job_run import JobRun, RunLine
+from tasks.jobs.job_run import JobContext, JobRun, RunLine, TenantSlots, default_control
 from tasks.policy.feeding import FeedControl, pick_jobs
 from tasks.store.files import FileStore
 from tasks.store.jobs import JobStore
 
 log = logging.getLogger("llmb.jobs")
+
+SWEEP_LINES = 50_000  # lines of ended jobs deleted per clean-up pass at most
 
 
 def default_owner() -> str:
@@ -61,15 +64,17 @@ class Feeder:
     control: Callable[[Settings], FeedControl] | None = None  # a job's feed control (default: from the settings)
     runs: dict[str, JobRun] = field(default_factory=dict, init=False)
     stopping: threading.Event = field(default_factory=threading.Event, init=False)
-    _tenant_in_flight: dict[str, int] = field(default_factory=dict, init=False)
-    _lock: threading.Lock = field(default_factory=threading.Lock, init=False)
     pool: ThreadPoolExecutor = field(init=False)
+    context: JobContext = field(init=False)  # what its job runs share
     _renewed_at: float = field(default=0.0, init=False)
     _cleaned_at: float = field(default=float("-inf"), init=False)
 
     def __post_init__(self) -> None:
         self.pool = ThreadPoolExecutor(max_workers=max(1, self.settings.jobs.max_in_flight),
                                        thread_name_prefix="line")
+        self.context = JobContext(self.store, self.files, self.run_line, self.settings, self.clock, self.owner,
+                                  self.control or default_control, TenantSlots(self.settings.jobs.max_in_flight),
+                                  self.pool, self.stopping)
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run(self, stop: threading.Event) -> None:
@@ -127,14 +132,18 @@ class Feeder:
             if not self.store.claim(job_id, self.owner, now, lease_s):
                 continue
             self._renewed_at = now
-            run = JobRun(self, job_id)
+            run = JobRun(self.context, job_id)
             self.runs[job_id] = run
             log.info("took job %s", job_id)
             run.thread.start()
             room -= 1
 
     def clean_up(self) -> None:
-        """Delete expired files (bytes and rows) and temporary files that killed writes left behind."""
+        """Delete expired files (bytes and rows), temporary files that killed writes left behind, and the lines of
+        ended jobs (a completed job's once it expires)."""
+        swept = self.store.sweep_lines(self.clock(), SWEEP_LINES)
+        if swept:
+            log.info("deleted %d line(s) of ended batch jobs", swept)
         try:
             expired, leftovers = self.files.delete_expired(), self.files.sweep()
         except OSError as exc:
@@ -154,15 +163,3 @@ class Feeder:
             for run in list(self.runs.values()):
                 run.thread.join(max(0.0, min(self.settings.jobs.poll_s, deadline - time.monotonic())))
         self.pool.shutdown(wait=False, cancel_futures=True)
-
-    # -- lines in flight per tenant, across this process's jobs ------------------------------------------
-    def take(self, tenant: str, wanted: int) -> int:
-        with self._lock:
-            held = self._tenant_in_flight.get(tenant, 0)
-            granted = max(0, min(wanted, self.settings.jobs.max_in_flight - held))
-            self._tenant_in_flight[tenant] = held + granted
-            return granted
-
-    def give(self, tenant: str, n: int = 1) -> None:
-        with self._lock:
-            self._tenant_in_flight[tenant] = self._tenant_in_flight.get(tenant, 0) - n

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import IO, Any
 
 from tasks.errors import InvalidInput
+from tasks.policy import strict_json
 from tasks.schema import json_integer
 
 ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/embeddings", "/v1/infer")
@@ -96,13 +97,6 @@ def shown(value: Any) -> str:
     if len(value) <= MAX_SHOWN:
         return repr(value)
     return f"{value[:MAX_SHOWN]!r}\u2026 ({len(value)} characters)"
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON value")
-
-
-_DECODER = json.JSONDecoder(parse_constant=_no_constant)
 
 
 def read_lines(source: IO[bytes], max_bytes: int) -> Iterator[tuple[int, bytes | None]]:
@@ -192,7 +186,7 @@ class InputCheck:
                       "custom_id, method and url", "body")
             return None
         try:
-            value = _DECODER.decode(raw.decode("utf-8"))
+            value = strict_json.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
             self._bad(number, "invalid_json_line", f"line {number} is not valid UTF-8 JSON ({exc})")
             return None

@@ -88,7 +88,8 @@ class DeficitRoundRobin(Generic[T]):
         return min((f.queue[0].arrived for f in self._flows.values()), default=None)
 
     def take(self, n: int, room: Callable[[Waiting[T]], bool] | None = None,
-             later: Callable[[Waiting[T]], bool] | None = None) -> list[Waiting[T]]:
+             later: Callable[[Waiting[T]], bool] | None = None,
+             skip: Callable[[Waiting[T]], bool] | None = None) -> list[Waiting[T]]:
         """Remove and return up to ``n`` items chosen by weighted DRR; stop early at the first item for which
         ``room`` says there is no room left (the batch is full by size in bytes).
 
@@ -98,27 +99,30 @@ class DeficitRoundRobin(Generic[T]):
         A tenant whose head item ``later`` says is better sent in another batch (prefix-aware routing: its
         worker cannot take one now) sits this batch out: not visited, so neither credited nor charged, and
         first in the ring for the next batch (after a tenant this batch cut short, which resumes first).
+
+        A tenant whose next item ``skip`` says cannot join this batch (one LoRA adapter too many for it: the
+        batch's adapter cap) ends its visit there, keeping its deficit, and is first in the ring for the next
+        batch with those ``later`` held back; the others go on filling the batch.
         """
-        if later is None:
-            return self._take(n, room)[0]
-        waiting = [name for name in self._ring if later(self._flows[name].queue[0])]
-        if not waiting:
-            return self._take(n, room)[0]
+        waiting = [name for name in self._ring if later(self._flows[name].queue[0])] if later is not None else []
         for name in waiting:
             self._ring.remove(name)
-        out, cut_short = self._take(n, room)
+        out, cut_short, skipped = self._take(n, room, skip)
+        front = [*skipped, *waiting]
         if cut_short:  # it is at the head with the rest of its deficit: it goes on first
             head = self._ring.popleft()
-            self._ring.extendleft(reversed(waiting))
+            self._ring.extendleft(reversed(front))
             self._ring.appendleft(head)
         else:
-            self._ring.extendleft(reversed(waiting))
+            self._ring.extendleft(reversed(front))
         return out
 
-    def _take(self, n: int, room: Callable[[Waiting[T]], bool] | None) -> tuple[list[Waiting[T]], bool]:
+    def _take(self, n: int, room: Callable[[Waiting[T]], bool] | None,
+              skip: Callable[[Waiting[T]], bool] | None = None) -> tuple[list[Waiting[T]], bool, list[str]]:
         """The DRR visits; also whether the batch ended mid-visit (full, or ``n`` reached), the tenant at the
-        head of the ring keeping the credit to go on."""
+        head of the ring keeping the credit to go on, and the tenants ``skip`` took out of the ring."""
         out: list[Waiting[T]] = []
+        skipped: list[str] = []
         full = False
         idle_visits = 0  # visits in a row that sent nothing: a whole round of them means skip ahead
         while len(out) < n and self._ring:
@@ -127,10 +131,17 @@ class DeficitRoundRobin(Generic[T]):
                 idle_visits = 0
             name = self._ring[0]
             flow = self._flows[name]
+            if skip is not None and skip(flow.queue[0]):  # not visited: neither credited nor charged
+                skipped.append(self._ring.popleft())
+                continue
             if flow.deficit < flow.queue[0].cost:
                 flow.deficit += self.quantum * flow.weight
             taken = 0
+            held = False
             while len(out) < n and flow.queue and flow.deficit >= flow.queue[0].cost:
+                if skip is not None and skip(flow.queue[0]):
+                    held = True
+                    break
                 if room is not None and not room(flow.queue[0]):
                     full = True
                     break
@@ -141,14 +152,16 @@ class DeficitRoundRobin(Generic[T]):
             if full:
                 break
             idle_visits = 0 if taken else idle_visits + 1
-            if not flow.queue:
+            if held:  # the rest of its visit waits for the next batch, its deficit kept
+                skipped.append(self._ring.popleft())
+            elif not flow.queue:
                 self._ring.popleft()
                 del self._flows[name]
             elif flow.deficit < flow.queue[0].cost:
                 self._ring.rotate(-1)  # its quantum is spent: next tenant
         self._len -= len(out)
         head = self._flows[self._ring[0]] if self._ring else None
-        return out, head is not None and head.deficit >= head.queue[0].cost
+        return out, head is not None and head.deficit >= head.queue[0].cost, skipped
 
     def _skip_idle_rounds(self) -> None:
         """A whole round sent nothing (every head costs more than its tenant's deficit): credit every tenant
@@ -197,8 +210,11 @@ class FairBuffer(Generic[T]):
     """A model's waiting items: flush decision plus fair, priority-ordered batch formation."""
 
     def __init__(self, policy: FlushPolicy, *, quantum: int = 10, offline_wait_s: float = 0.5,
-                 size_of: Callable[[T], int] = lambda item: 0) -> None:
+                 size_of: Callable[[T], int] = lambda item: 0,
+                 adapter_of: Callable[[T], str | None] = lambda item: None, max_adapters: int = 0) -> None:
         self.policy = policy
+        self.adapter_of = adapter_of  # an item's LoRA adapter (None: the base model)
+        self.max_adapters = max_adapters  # distinct adapters in one batch at most (0: no cap)
         self.offline_wait_s = offline_wait_s
         self.size_of = size_of  # an item's size in a batch message, bytes (for policy.max_batch_bytes)
         self.bytes = 0
@@ -255,10 +271,18 @@ class FairBuffer(Generic[T]):
         """The next batch: interactive items by DRR, then offline items by DRR in the space left, up to
         ``max_batch_size`` items, ``max_batch_bytes`` and ``token_limit`` (the KV room of the worker it goes
         to, counted in item costs); a batch holds at least one item, whatever its size. Tenants whose head item
-        ``later`` holds back sit this batch out (:meth:`DeficitRoundRobin.take`): the batch may be empty."""
+        ``later`` holds back sit this batch out (:meth:`DeficitRoundRobin.take`): the batch may be empty. At most
+        ``max_adapters`` distinct LoRA adapters go in one batch: a tenant whose next item is of a further one
+        waits for the next batch, first in line (:meth:`DeficitRoundRobin.take`'s ``skip``)."""
         n, limit = self.policy.max_batch_size, self.policy.max_batch_bytes
         used = 0
         used_tokens = 0.0
+        adapters: set[str] = set()
+        cap = self.max_adapters
+
+        def skip(w: Waiting[T]) -> bool:
+            name = self.adapter_of(w.item)
+            return name is not None and name not in adapters and len(adapters) >= cap
 
         def room(w: Waiting[T]) -> bool:
             nonlocal used, used_tokens
@@ -269,11 +293,14 @@ class FairBuffer(Generic[T]):
                 return False
             used += size
             used_tokens += w.cost
+            if cap and (name := self.adapter_of(w.item)) is not None:
+                adapters.add(name)
             return True
 
-        out = self.classes[Priority.INTERACTIVE].take(n, room, later)
+        capped = skip if cap else None
+        out = self.classes[Priority.INTERACTIVE].take(n, room, later, capped)
         if len(out) < n and (not limit or used < limit):
-            out += self.classes[Priority.OFFLINE].take(n - len(out), room, later)
+            out += self.classes[Priority.OFFLINE].take(n - len(out), room, later, capped)
         self.bytes -= used
         return out
 

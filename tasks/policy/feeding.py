@@ -10,13 +10,15 @@ congestion window:
 - it grows only while answers come back promptly: a line that took more than ``slack`` times the fastest answer
   of the last ``base_period_s`` or two means lines now queue behind one another (more in flight would only wait
   longer), so it holds;
-- a 429 (``queue_full``, ``tenant_over_limit``, ``overloaded``) halves it and pauses the job for the Retry-After
-  the refusal gave; a 503 or a failure of the pipeline halves it and pauses for an exponential backoff (0.5 s,
+- a refusal for want of room (``queue_full``, ``tenant_over_limit``, ``overloaded``: a 429) halves it and pauses
+  the job for the Retry-After the refusal gave; an outage (``unavailable``) or a failure of the pipeline halves it
+  and pauses for an exponential backoff (0.5 s,
   1 s, 2 s, ... up to ``max_backoff_s``), reset by the next answer. The lines sent together before a cut are
   answered together, so their refusals count as one signal: only a line sent after the last cut cuts again.
 
-:func:`verdict` says what an answer means for its line: final (written to the output or error file), or sent
-again (and after how many tries a line stops being sent and its last error becomes final). :func:`pick_jobs` says
+:func:`disposition` says what an answer means for its line, from its error type alone: final (written to the
+output or error file), or sent again (and after how many tries a line stops being sent and its last error becomes
+final). :func:`pick_jobs` says
 which waiting job a free slot of ``llmb-jobs`` takes: the next of the tenant running fewest.
 """
 from __future__ import annotations
@@ -25,39 +27,49 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from tasks.errors import (
+    BatchingError,
+    DeadlineExceeded,
+    ModelNotFound,
+    Overloaded,
+    QueueFull,
+    TenantOverLimit,
+    Unavailable,
+)
+
 MAX_LINE_ATTEMPTS = 8  # tries of a line that keeps failing in a way that may be the line's own fault
 
 
-class Verdict(StrEnum):
+class Disposition(StrEnum):
     """What an answer means for its line."""
 
-    FINAL = "final"  # an output (200), or an error the line itself caused (400, 403, 413, 422, ...): write it
-    REFUSED = "refused"  # 429: no room now; send it again after Retry-After, with fewer lines in flight
-    UNAVAILABLE = "unavailable"  # 503, the pipeline unreachable: back off and send it again, however often
-    RETRY = "retry"  # 504, an unexpected failure, the model not served (yet): again, at most MAX_LINE_ATTEMPTS
+    FINAL = "final"  # an output, or an error the line itself caused (invalid, forbidden, poison...): write it
+    REFUSED = "refused"  # no room now: send it again after Retry-After, with fewer lines in flight
+    UNAVAILABLE = "unavailable"  # the pipeline unreachable: back off and send it again, however often
+    RETRY = "retry"  # late, an unexpected failure, the model not served (yet): again, at most MAX_LINE_ATTEMPTS
 
 
-REFUSALS = ("queue_full", "tenant_over_limit", "overloaded")
-RETRIED = ("deadline_exceeded", "model_not_found", "internal_error")
+REFUSALS = (QueueFull.type, TenantOverLimit.type, Overloaded.type)
+RETRIED = (DeadlineExceeded.type, ModelNotFound.type, BatchingError.type)
+# retries_exhausted is not among the outages: the line itself killed its workers
+OUTAGES = (Unavailable.type,)
 
 
-def verdict(status: int, error_type: str | None) -> Verdict:
-    """The verdict on one answer, from its HTTP status and error type."""
-    if status < 400:
-        return Verdict.FINAL
-    if status == 429 or error_type in REFUSALS:
-        return Verdict.REFUSED
-    if error_type in RETRIED or status == 504:
-        return Verdict.RETRY
-    if status == 503 and error_type != "retries_exhausted":  # retries_exhausted: the line killed its workers
-        return Verdict.UNAVAILABLE
-    return Verdict.FINAL
+def disposition(error_type: str | None) -> Disposition:
+    """The disposition of one answer, from its error type (None: it succeeded)."""
+    if error_type in REFUSALS:
+        return Disposition.REFUSED
+    if error_type in RETRIED:
+        return Disposition.RETRY
+    if error_type in OUTAGES:
+        return Disposition.UNAVAILABLE
+    return Disposition.FINAL
 
 
-def gives_up(v: Verdict, attempts: int, max_attempts: int = MAX_LINE_ATTEMPTS) -> bool:
-    """Whether a line answered ``v`` after ``attempts`` tries (this one included) is given up: its error is final.
+def gives_up(d: Disposition, attempts: int, max_attempts: int = MAX_LINE_ATTEMPTS) -> bool:
+    """Whether a line answered ``d`` after ``attempts`` tries (this one included) is given up: its error is final.
     Refusals and outages are the system's state, not the line's fault: those lines wait (until the job expires)."""
-    return v is Verdict.FINAL or (v is Verdict.RETRY and attempts >= max_attempts)
+    return d is Disposition.FINAL or (d is Disposition.RETRY and attempts >= max_attempts)
 
 
 @dataclass

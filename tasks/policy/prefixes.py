@@ -42,18 +42,27 @@ KEYS_PER_WORKER = 20_000  # the index remembers at most this many keys per worke
 SENT_KEPT_S = 5.0  # keys sent to a worker count as held there this long, whatever its reports say (not run yet)
 
 
-def prefix_keys(text: str, *, chunk_chars: int = CHUNK_CHARS, max_chunks: int = MAX_CHUNKS) -> tuple[str, ...]:
+def prefix_keys(text: str, *, cache_key: str | None = None, chunk_chars: int = CHUNK_CHARS,
+                max_chunks: int = MAX_CHUNKS) -> tuple[str, ...]:
     """Chained keys of the text's whole leading chunks: key ``i`` names the first ``i + 1`` chunks. A stable
-    hash (the same in every process, unlike ``hash()``), 16 hex digits."""
-    return _chained_keys(text[:chunk_chars * max_chunks], chunk_chars)
+    hash (the same in every process, unlike ``hash()``), 16 hex digits.
+
+    A ``cache_key`` (OpenAI's ``prompt_cache_key``, in the item's params) starts the chain, as OpenAI combines
+    it with its prefix hash: the same start under two keys has two names, so each key's calls follow the worker
+    that served that key's start, and a hot start shared by many keys (one system prompt, many users) spreads
+    over the workers a key at a time instead of piling onto one. The worker names what it caches the same way
+    (the item's params reach it), and calls without a key are named as before."""
+    return _chained_keys(text[:chunk_chars * max_chunks], chunk_chars, cache_key or "")
 
 
 # An item is asked about at each flush it waits through. Keyed on the start that is hashed (at most 32 KB), not
 # on the whole input (up to the 1 MiB body limit), so the cache holds at most 32 MB.
 @lru_cache(maxsize=1024)
-def _chained_keys(head: str, chunk_chars: int) -> tuple[str, ...]:
+def _chained_keys(head: str, chunk_chars: int, cache_key: str) -> tuple[str, ...]:
     keys: list[str] = []
     chained = hashlib.blake2b(digest_size=8)
+    if cache_key:
+        chained.update(f"prompt_cache_key\0{cache_key}\0".encode("utf-8", "surrogatepass"))
     for i in range(len(head) // chunk_chars):
         chained.update(head[i * chunk_chars:(i + 1) * chunk_chars].encode("utf-8", "surrogatepass"))
         keys.append(chained.copy().hexdigest())
@@ -158,7 +167,7 @@ def assign(items: Sequence[Sequence[str]], options: Sequence[Option], index: Pre
         return [0] * len(items)
     out = []
     for keys in items:
-        held = [_held_share(index, option.worker_id, keys) for option in options]
+        held = [held_share(index, option.worker_id, keys) for option in options]
         best = 0
         if any(held):
             best_score = float("-inf")
@@ -170,7 +179,7 @@ def assign(items: Sequence[Sequence[str]], options: Sequence[Option], index: Pre
     return out
 
 
-def _held_share(index: PrefixIndex, worker_id: str, keys: Sequence[str]) -> float:
+def held_share(index: PrefixIndex, worker_id: str, keys: Sequence[str]) -> float:
     """The share of an item's keys the worker holds (0 below :data:`MIN_MATCH_CHUNKS` chunks)."""
     match = index.match(worker_id, keys) if len(keys) >= MIN_MATCH_CHUNKS else 0
     return match / len(keys) if match >= MIN_MATCH_CHUNKS else 0.0

@@ -41,9 +41,9 @@ class TenantPolicy:
     def checked(self) -> TenantPolicy:
         """This policy, if its weight and cap are in range; else InvalidInput."""
         if not (0 < self.weight <= MAX_WEIGHT and math.isfinite(self.weight)):
-            raise InvalidInput(f"weight must be a number more than 0 and at most {MAX_WEIGHT:g}, not {self.weight}")
+            raise InvalidInput(f"'weight' must be a number more than 0 and at most {MAX_WEIGHT:g}, not {self.weight}")
         if not 1 <= self.max_in_flight <= MAX_IN_FLIGHT:
-            raise InvalidInput(f"max_in_flight must be from 1 to {MAX_IN_FLIGHT}, not {self.max_in_flight}")
+            raise InvalidInput(f"'max_in_flight' must be from 1 to {MAX_IN_FLIGHT}, not {self.max_in_flight}")
         return self
 
 

@@ -13,8 +13,8 @@ An item with no ``max_tokens`` (an embedding, the sim model, a black box) costs 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from typing import Any
+
+from tasks.schema import SamplingParams
 
 CHARS_PER_TOKEN = 4.0
 
@@ -30,22 +30,20 @@ def least_prompt_tokens(text: str) -> int:
     return max(1, math.ceil(len(text.encode("utf-8", "surrogatepass")) / 16))
 
 
-def generation_budget(params: Mapping[str, Any]) -> int | None:
+def generation_budget(params: SamplingParams) -> int | None:
     """The output tokens an item may generate (its ``max_tokens``), or None for a non-generation item."""
-    max_tokens = params.get("max_tokens")
-    if isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens > 0:
-        return max_tokens
-    return None
+    max_tokens = params.max_tokens
+    return max_tokens if max_tokens is not None and max_tokens > 0 else None
 
 
-def estimated_tokens(text: str, params: Mapping[str, Any]) -> int | None:
+def estimated_tokens(text: str, params: SamplingParams) -> int | None:
     """Prompt plus output tokens an item may take (its KV footprint at the end), or None for a non-generation
     item."""
     budget = generation_budget(params)
     return None if budget is None else prompt_tokens(text) + budget
 
 
-def cost(text: str, params: Mapping[str, Any]) -> float:
+def cost(text: str, params: SamplingParams) -> float:
     """An item's share of the device in fairness units: its estimated tokens, or 1 for a black-box item."""
     tokens = estimated_tokens(text, params)
     return 1.0 if tokens is None else float(tokens)

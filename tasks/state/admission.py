@@ -37,7 +37,7 @@ from typing import NamedTuple
 import redis
 
 from tasks.config import Settings
-from tasks.policy.refusal import Verdict
+from tasks.policy.refusal import AdmissionVerdict
 from tasks.schema import Priority
 from tasks.state import admission_scripts as scripts
 from tasks.state.keys import Keys
@@ -50,7 +50,7 @@ class Decision(NamedTuple):
     """An admission's verdict; when quarantined, the offending input's hash; when refused for room, how many
     items were ahead in the set that was full (what must drain first: the Retry-After)."""
 
-    verdict: Verdict
+    verdict: AdmissionVerdict
     bad_hash: str | None = None
     ahead: int = 0
 
@@ -98,9 +98,9 @@ class CollectCall:
 def _decision(raw: bytes | str) -> Decision:
     text = raw.decode() if isinstance(raw, bytes) else str(raw)
     verdict, _, detail = text.partition(":")
-    if verdict == Verdict.QUARANTINED:
-        return Decision(Verdict.QUARANTINED, bad_hash=detail)
-    return Decision(Verdict(verdict), ahead=int(detail or 0))
+    if verdict == AdmissionVerdict.QUARANTINED:
+        return Decision(AdmissionVerdict.QUARANTINED, bad_hash=detail)
+    return Decision(AdmissionVerdict(verdict), ahead=int(detail or 0))
 
 
 class Admission:

@@ -33,7 +33,7 @@ from tasks.state.lua import source
 DONE, RECOVERED = "~done", "~recovered"
 
 
-class Verdict(StrEnum):
+class ClaimVerdict(StrEnum):
     """What a claim script says to do with a batch (the scripts return these names)."""
 
     RUN = "run"  # nobody had it: run it
@@ -47,7 +47,7 @@ class Verdict(StrEnum):
 class Claim:
     """A claim script's verdict and, for DIED, the run that died holding the batch."""
 
-    verdict: Verdict
+    verdict: ClaimVerdict
     owner: str = ""
 
     @property
@@ -91,4 +91,4 @@ class Claims:
 def _claim(value: object) -> Claim:
     text = value.decode() if isinstance(value, bytes) else str(value)
     verdict, _, owner = text.partition(":")
-    return Claim(Verdict(verdict), owner)
+    return Claim(ClaimVerdict(verdict), owner)

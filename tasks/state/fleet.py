@@ -4,11 +4,18 @@ Each worker overwrites one field of a single Redis hash at a fixed interval, so 
 one HGETALL. A worker whose last heartbeat is older than ``heartbeat_stale_factor`` intervals is stale: it
 is left out of :meth:`Fleet.live`, and the batcher that finds it lost removes it from the hash.
 Timestamps are epoch seconds (they cross hosts).
+
+The models a process knows (:meth:`FleetCache.knows`) are those of every worker in the hash, live or stale, and
+those seen there in the last ``KNOWN_FOR_S``: a call naming one whose workers are all down is told to retry
+(503), a call naming any other is refused as not found (404) before the process keeps anything for it.
 """
 from __future__ import annotations
 
+import json
+import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import redis
 
@@ -16,24 +23,62 @@ from tasks.config import Settings
 from tasks.schema import DRAINING, WorkerInfo
 from tasks.state.keys import Keys
 
+KNOWN_FOR_S = 300.0  # a model stays known this long after its last worker left the fleet hash
+
 
 class Fleet:
     """Reads and writes heartbeats. Thin: the routing decision lives in :mod:`tasks.policy.scheduler`."""
 
-    def __init__(self, client: redis.Redis, key: str, stale_after_s: float) -> None:
+    def __init__(self, client: redis.Redis, key: str, stale_after_s: float, returning_key: str | None = None) -> None:
         self.client = client
         self.key = key
         self.stale_after_s = stale_after_s
+        self.returning_key = returning_key or f"{key}:returning"
 
     @classmethod
     def from_settings(cls, settings: Settings, client: redis.Redis) -> Fleet:
-        return cls(client, Keys.from_settings(settings).fleet, settings.worker.heartbeat_stale_s)
+        keys = Keys.from_settings(settings)
+        return cls(client, keys.fleet, settings.worker.heartbeat_stale_s, keys.fleet_returning)
 
     def beat(self, info: WorkerInfo) -> None:
         self.client.hset(self.key, info.id, info.to_json())
 
     def leave(self, worker_id: str) -> None:
         self.client.hdel(self.key, worker_id)
+
+    def depart(self, info: WorkerInfo, hold_s: float) -> None:
+        """A worker stopped gracefully leaves the fleet, and (``hold_s`` > 0) is awaited back for ``hold_s``: its
+        last heartbeat is kept apart, so that API processes keep admitting its model's calls while no other worker
+        of the model is live (:func:`returning_of`); batchers and recovery never see it."""
+        expired = [worker_id for worker_id, (until, _) in self._returning().items() if until < info.heartbeat_at]
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hdel(self.key, info.id)
+        if expired:  # each stop prunes the holds that ended: pods get new names, so ids never repeat in Kubernetes
+            pipe.hdel(self.returning_key, *expired)
+        if hold_s > 0:
+            pipe.hset(self.returning_key, info.id, json.dumps({"until": info.heartbeat_at + hold_s,
+                                                               "info": json.loads(info.to_json())}))
+        pipe.execute()
+
+    def back(self, worker_id: str) -> None:
+        """A worker (re)started: it is no longer awaited."""
+        self.client.hdel(self.returning_key, worker_id)
+
+    def returning(self) -> list[tuple[float, WorkerInfo]]:
+        """Workers stopped gracefully and awaited back: (until when, their last heartbeat)."""
+        return [(until, info) for until, info in self._returning().values() if info is not None]
+
+    def _returning(self) -> dict[bytes | str, tuple[float, WorkerInfo | None]]:
+        """By worker id (the hash's field, as read); an unreadable entry (another version's) as (0, None), so that
+        it is pruned."""
+        out: dict[bytes | str, tuple[float, WorkerInfo | None]] = {}
+        for worker_id, raw in self.client.hgetall(self.returning_key).items():
+            try:
+                d = json.loads(raw)
+                out[worker_id] = (float(d["until"]), WorkerInfo.from_json(json.dumps(d["info"])))
+            except (ValueError, TypeError, KeyError):
+                out[worker_id] = (0.0, None)
+        return out
 
     def all(self) -> list[WorkerInfo]:
         workers = []
@@ -47,8 +92,22 @@ class Fleet:
     def live(self, now: float, *, draining: bool = False) -> list[WorkerInfo]:
         """Workers that may be given work: heartbeat fresh and (unless ``draining``) not stopping. The API
         counts stopping workers as serving their model: a restart must not flap it to 503."""
-        return [w for w in self.all()
-                if now - w.heartbeat_at <= self.stale_after_s and (draining or w.state != DRAINING)]
+        return live_of(self.all(), now, self.stale_after_s, draining=draining)
+
+
+def live_of(workers: list[WorkerInfo], now: float, stale_after_s: float, *, draining: bool) -> list[WorkerInfo]:
+    """The ``workers`` whose heartbeat is fresh and (unless ``draining``) that are not stopping."""
+    return [w for w in workers if now - w.heartbeat_at <= stale_after_s and (draining or w.state != DRAINING)]
+
+
+def returning_of(live: list[WorkerInfo], returning: list[tuple[float, WorkerInfo]], now: float) -> list[WorkerInfo]:
+    """Workers awaited back (stopped gracefully less than their hold ago) whose model no ``live`` worker serves,
+    as draining ones: a planned restart of a model's only worker is not a dead model, so its calls are admitted
+    and wait for the replacement within their deadlines (pure)."""
+    served = {w.model for w in live}
+    ids = {w.id for w in live}
+    return [replace(w, state=DRAINING) for until, w in returning
+            if now <= until and w.model not in served and w.id not in ids]
 
 
 class FleetCache:
@@ -64,14 +123,37 @@ class FleetCache:
         self.clock = clock
         self.last: list[WorkerInfo] = []
         self._read_at: float | None = None
+        self._known: dict[str, float] = {}  # each model in the hash at the last reads -> when last seen there
+        self._checked_at = -math.inf  # when the hash was last read for a model not known
+
+    def knows(self, model: str, recheck_after_s: float) -> bool:
+        """Whether ``model`` is served, or was lately (:data:`KNOWN_FOR_S`), by a worker in the fleet hash, live or
+        not: a dictionary lookup, the hash read again only when not found and the last read is older than
+        ``recheck_after_s`` (a new worker's model is known at once, a flood of unknown names reads it rarely).
+        Redis errors propagate."""
+        now = self.clock()
+        if model not in self._known and now - self._checked_at > recheck_after_s:
+            self._checked_at = now  # before the read: the callers meanwhile do not read it too
+            self.get(fresh=True)
+        return model in self._known
 
     def get(self, fresh: bool = False) -> list[WorkerInfo]:
         """The live workers; read now if ``fresh`` or the last read is too old. Redis errors propagate, and the
         next call tries again (or :meth:`keep` the last view)."""
         now = self.clock()
         if fresh or self._read_at is None or now - self._read_at > self.max_age_s:
-            self.last = self.fleet.live(self.wallclock(), draining=self.draining)
+            everyone = self.fleet.all()
+            wallclock = self.wallclock()
+            live = live_of(everyone, wallclock, self.fleet.stale_after_s, draining=self.draining)
+            if self.draining:  # the API's view: a model whose only worker restarts stays served (and known)
+                # into locals first: reading Redis lets another greenlet in, which must never see a view without
+                # the workers awaited back (a 404 for a model whose only worker restarts)
+                returning = returning_of(live, self.fleet.returning(), wallclock)
+                live, everyone = live + returning, everyone + returning
+            self.last = live
             self._read_at = now
+            self._known = {m: t for m, t in self._known.items() if now - t <= KNOWN_FOR_S}
+            self._known.update((w.model, now) for w in everyone)
         return self.last
 
     def keep(self) -> list[WorkerInfo]:

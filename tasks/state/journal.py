@@ -7,11 +7,13 @@ the item's text where it starts; a resumed stream (:mod:`tasks.gateway.resume`) 
 sends what its client lacks, then the item's result. The journal expires with the results
 (``LLMB_RESULT_TTL_S`` after its last piece) and holds at most :data:`MAX_ENTRIES` pieces (trimmed oldest
 first): a resumed client whose position was trimmed away gets the rest of its text from the result when the
-item ends. Whether a client came back is marked under ``<ns>:resumed:<tenant>:<request id>``: the API process
-its client left waits that long before it cancels the generation.
+item ends. Whether a client came back is marked under ``<ns>:resumed:<tenant>:<request id>:<first item id>``: the
+API process its client left waits that long before it cancels the generation. The call's own first item names
+it, so that a later call reusing its request id is not taken for resumed (it is cancelled when its client leaves).
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import redis
@@ -47,12 +49,12 @@ class Journal:
                                   for entry_id, fields in entries]
         return out
 
-    def mark_resumed(self, tenant: str, request_id: str) -> None:
-        """A client came back for this call: the process it left must not cancel its generation."""
-        self.client.set(self.keys.resumed(tenant, request_id), 1, ex=self.ttl_s)
+    def mark_resumed(self, tenant: str, request_id: str, items: Sequence[str]) -> None:
+        """A client came back for this call (its ``items``): the process it left must not cancel its generation."""
+        self.client.set(self.keys.resumed(tenant, request_id, items[0]), 1, ex=self.ttl_s)
 
-    def resumed(self, tenant: str, request_id: str) -> bool:
-        return bool(self.client.exists(self.keys.resumed(tenant, request_id)))
+    def resumed(self, tenant: str, request_id: str, items: Sequence[str]) -> bool:
+        return bool(self.client.exists(self.keys.resumed(tenant, request_id, items[0])))
 
 
 def _text(value: bytes | str) -> str:

@@ -7,6 +7,8 @@ All of them start with the namespace (``LLMB_NAMESPACE``), so several systems ca
 key                                       type    what
 ========================================  ======  ===================================================
 ``<ns>:fleet``                            hash    worker id -> heartbeat (:mod:`tasks.state.fleet`)
+``<ns>:fleet:returning``                  hash    worker id -> last heartbeat and hold, of a worker stopped
+                                                  gracefully, awaited back (:mod:`tasks.state.fleet`)
 ``<ns>:inflight`` (+ ``:arrivals``,       zsets   admitted, unanswered items (:mod:`tasks.state.admission`;
 ``:offline``, ``:t:<tenant>``,                    the admission scripts derive the sub-keys from this
 ``:m:<model>[:arrivals|:offline]``)               base, in Lua too)
@@ -27,7 +29,8 @@ key                                       type    what
                                                   that no reuse of its request id can replace it
 ``<ns>:journal:<item id>``                stream  a streamed item's text, piece by piece, for resuming
                                                   (:mod:`tasks.state.journal`)
-``<ns>:resumed:<tenant>:<request id>``    string  a streamed call's client came back for it
+``<ns>:resumed:<tenant>:<request id>:<item id>`` string a streamed call's client came back for it (the call
+                                                  named by its first item: a reuse of its request id is another)
 ``<ns>:replies:<instance>``               channel wake-ups (and streamed text) for one API process
 ``<ns>:cancel``                           channel item ids whose callers went away
 ``<ns>:stats:<counter>``                  string  system-wide counters (items_done, tokens, ...)
@@ -57,6 +60,10 @@ class Keys:
         return self._key("fleet")
 
     @property
+    def fleet_returning(self) -> str:
+        return self._key("fleet", "returning")
+
+    @property
     def inflight(self) -> str:
         return self._key("inflight")
 
@@ -75,8 +82,8 @@ class Keys:
     def journal(self, item_id: str) -> str:
         return self._key("journal", item_id)
 
-    def resumed(self, tenant: str, request_id: str) -> str:
-        return self._key("resumed", tenant, request_id)
+    def resumed(self, tenant: str, request_id: str, first_item: str) -> str:
+        return self._key("resumed", tenant, request_id, first_item)
 
     def request(self, tenant: str, request_id: str) -> str:
         """A call's record (``request_id`` "": the prefix of the tenant's records)."""

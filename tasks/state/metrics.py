@@ -14,7 +14,7 @@ from __future__ import annotations
 import bisect
 import functools
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import redis
@@ -75,6 +75,9 @@ def _bucket(value: float, bounds: tuple[float, ...]) -> str:
 
 
 COUNTERS = ("items_done", "batches_done", "poison_inputs", "ledger_dropped", "tokens")
+# Items per LoRA adapter: adapters are registered by operators, so their names are bounded, but a label per name
+# is still capped: the busiest this many adapters get their own series, the rest add up under "other".
+MAX_ADAPTER_LABELS = 50
 
 
 class Stats:
@@ -94,6 +97,18 @@ class Stats:
     def counters(self) -> dict[str, int]:
         """Every counter in :data:`COUNTERS`, now."""
         return {n: int(v or 0) for n, v in zip(COUNTERS, self.client.mget([self.keys.stat(n) for n in COUNTERS]))}
+
+    def count_adapters(self, items: Mapping[str, int]) -> None:
+        """Items dispatched per LoRA adapter (the batcher, once their batch is handed to a worker)."""
+        if items:
+            pipe = self.client.pipeline(transaction=False)
+            for name, n in items.items():
+                pipe.hincrby(self.keys.stat("adapter_items"), name, n)
+            pipe.execute()
+
+    def adapter_items(self) -> dict[str, int]:
+        raw: dict[bytes, bytes] = self.client.hgetall(self.keys.stat("adapter_items"))  # type: ignore[assignment]
+        return {k.decode(): int(v) for k, v in raw.items()}
 
     def histogram(self, name: str) -> dict[bytes, bytes]:
         """One histogram as stored: bucket bound (or "sum") -> count."""
@@ -138,6 +153,7 @@ class SystemCollector(Collector):
             in_flight, oldest = self.admission.in_flight(now), self.admission.oldest_arrival()
             counters, quarantined = self.stats.counters(), self.quarantine.count()
             sizes, runs = self.stats.histogram("batch_size"), self.stats.histogram("batch_run_seconds")
+            adapter_items = self.stats.adapter_items()
             workers = self.fleet.all()
             live = [w for w in workers if now - w.heartbeat_at <= self.fleet.stale_after_s]
             models = model_report(self.admission, live, now, s.tenants.scale_headroom)
@@ -164,6 +180,7 @@ class SystemCollector(Collector):
             by_state.add_metric([state], n)
         yield by_state
         yield from _prefix_caches([w for w in live if w.prefix_caching])
+        yield from _adapters([w for w in live if w.max_adapters > 0], adapter_items)
         busy = GaugeMetricFamily("llmb_worker_utilisation", "Fraction of the last minute a live worker's device "
                                  "spent running batches.", labels=["worker", "model"])
         for w in live:
@@ -207,6 +224,32 @@ def _prefix_caches(workers: list[WorkerInfo]) -> Iterator[Metric]:
         hits.add_metric([w.id, w.model], w.prefix_hits)
         blocks.add_metric([w.id, w.model], w.cached_blocks)
     yield from (queries, hits, blocks)
+
+
+def _adapters(workers: list[WorkerInfo], items: Mapping[str, int]) -> Iterator[Metric]:
+    """Each live worker's LoRA adapters, from its heartbeat (loads and evictions count since it started), and
+    the items dispatched per adapter (the busiest :data:`MAX_ADAPTER_LABELS`, the rest as "other")."""
+    labels = ["worker", "model"]
+    resident = GaugeMetricFamily("llmb_worker_adapters_resident", "LoRA adapters resident on a worker now.",
+                                 labels=labels)
+    loading = GaugeMetricFamily("llmb_worker_adapters_loading", "LoRA adapters a worker is loading now.",
+                                labels=labels)
+    loads = CounterMetricFamily("llmb_worker_adapter_loads", "LoRA adapters a worker loaded.", labels=labels)
+    evictions = CounterMetricFamily("llmb_worker_adapter_evictions", "LoRA adapters a worker evicted to make room.",
+                                    labels=labels)
+    for w in workers:
+        resident.add_metric([w.id, w.model], len(w.adapters))
+        loading.add_metric([w.id, w.model], len(w.adapters_loading))
+        loads.add_metric([w.id, w.model], w.adapter_loads)
+        evictions.add_metric([w.id, w.model], w.adapter_evictions)
+    traffic = CounterMetricFamily("llmb_adapter_items", "Items dispatched to workers per LoRA adapter (the busiest "
+                                  f"{MAX_ADAPTER_LABELS}; the rest as 'other').", labels=["adapter"])
+    ranked = sorted(items.items(), key=lambda kv: (-kv[1], kv[0]))
+    for name, n in ranked[:MAX_ADAPTER_LABELS]:
+        traffic.add_metric([name], n)
+    if len(ranked) > MAX_ADAPTER_LABELS:
+        traffic.add_metric(["other"], sum(n for _, n in ranked[MAX_ADAPTER_LABELS:]))
+    yield from (resident, loading, loads, evictions, traffic)
 
 
 def _per_model(rows: list[dict[str, Any]]) -> Iterator[Metric]:

@@ -9,15 +9,23 @@ Pure: no Redis here, so the format and its versioning are read and tested on the
 read (damaged, or written in a newer format by a newer version during a rolling upgrade) is a
 :class:`FormatError` saying why, never a record that fails later, in the middle of an answer; fields this version
 does not know are ignored.
+
+**Outcomes.** A failed call's outcome is its error's type and message (:mod:`tasks.errors`), and that is what
+this version reads. Beside them it still writes the HTTP status its caller was answered with (``status_of``, the
+web layer's table, handed to :class:`tasks.state.requests.Requests`), because versions from before errors were
+types answer an idempotent retry with the status they read there; a record of theirs is read by its type alone.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
+
+from tasks.errors import BatchingError
 
 # A live first call writes its outcome as soon as it has its results, at its deadline at the latest; one that has
 # not this long after its deadline never will (its write was lost), and its results decide.
@@ -79,25 +87,41 @@ class Shape:
     choices: int = 1  # completions and chat: choices of each prompt (n), so usage counts each prompt once
     usage: bool = False  # a stream that asked for its usage chunk (stream_options.include_usage)
     echo: bool = False  # a completion that echoes its prompt (not kept: a resumed stream cannot send it)
+    tier: str = ""  # completions and chat: the service_tier its answer says ("": the call asked for none)
+    tool_calls: bool = False  # chat: its answers may hold tool calls (message.tool_calls, streamed as such)
+
+
+def status_unknown(type_: str) -> int:
+    """The status written beside a failure's type by a writer given no table (the CLI's gateway: it answers no
+    HTTP caller); only versions from before errors were types read it."""
+    return 500
 
 
 @dataclass(frozen=True)
 class Outcome:
-    """How a call ended, as its caller was answered: 200 with ``total_ms``, or an error's status, type, message."""
+    """How a call ended, as its caller was answered: in ``total_ms``, or failed with an error's type and message."""
 
-    status: int
-    type: str = ""
+    type: str = ""  # the error's (tasks.errors); empty: the call was answered
     message: str = ""
     total_ms: float = 0.0
 
+    @property
+    def failed(self) -> bool:
+        return bool(self.type)
+
+    def stored(self, status_of: Callable[[str], int]) -> dict[str, Any]:
+        """The outcome as written: with the status its caller was answered, for versions that read that."""
+        return {"status": status_of(self.type) if self.failed else 200, **vars(self)}
+
     @classmethod
     def checked(cls, d: dict[str, Any]) -> Outcome:
-        """An outcome as read back from a record (FormatError if damaged: its status is an answer's status)."""
-        status = _field(d, "status", (int,))
+        """An outcome as read back from a record (FormatError if damaged). The status, if written, is only
+        checked: the type says whether and how the call failed (a failure without one is an internal error)."""
+        status = _field(d, "status", (int,), 200)
         if not 100 <= status <= 599:
             raise FormatError(f"its outcome's status {status} is no HTTP status")
-        return cls(status, _field(d, "type", (str,), ""), _field(d, "message", (str,), ""),
-                   _number(d, "total_ms", 0.0))
+        type_ = _field(d, "type", (str,), "") or ("" if status == 200 else BatchingError.type)
+        return cls(type_, _field(d, "message", (str,), ""), _number(d, "total_ms", 0.0))
 
 
 @dataclass(frozen=True)
@@ -119,9 +143,11 @@ class Record:
     published: bool | None = None
     key_hash: str | None = None  # idempotent calls: sha256 of the key; the record then lives under the key
 
-    def to_json(self) -> str:
+    def to_json(self, status_of: Callable[[str], int] = status_unknown) -> str:
+        """The record as stored; ``status_of`` gives its outcome's HTTP status, for the versions that read it."""
         # vars(), not dataclasses.asdict: the fields are flat, and asdict's deep copies were 4% of an API process's CPU
-        d = {**vars(self), "shape": vars(self.shape), "outcome": vars(self.outcome) if self.outcome else None}
+        outcome = self.outcome.stored(status_of) if self.outcome else None
+        d = {**vars(self), "shape": vars(self.shape), "outcome": outcome}
         if self.key_hash is None:  # as versions before the field wrote it: they can read it during an upgrade
             del d["key_hash"]
         return json.dumps(d)
@@ -155,7 +181,9 @@ class Record:
                                stream=_field(shape, "stream", (bool,), False),
                                choices=_field(shape, "choices", (int,), 1),
                                usage=_field(shape, "usage", (bool,), False),
-                               echo=_field(shape, "echo", (bool,), False)),
+                               echo=_field(shape, "echo", (bool,), False),
+                               tier=_field(shape, "tier", (str,), ""),
+                               tool_calls=_field(shape, "tool_calls", (bool,), False)),
                    outcome=None if outcome is None else Outcome.checked(outcome),
                    published=_field(d, "published", (bool, type(None)), None),
                    key_hash=_field(d, "key_hash", (str, type(None)), None))

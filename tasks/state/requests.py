@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -42,7 +42,7 @@ from tasks.errors import RecordUnreadable
 from tasks.schema import ItemResult
 from tasks.state.keys import Keys
 from tasks.state.lua import positional, source
-from tasks.state.records import FormatError, Idempotency, Outcome, Record, View
+from tasks.state.records import FormatError, Idempotency, Outcome, Record, View, status_unknown
 
 _CLAIM = source("requests_claim", "now", "requests_readable", "requests_view", "requests_resolve")
 _LOOK = source("requests_look", "now", "requests_readable", "requests_view", "requests_resolve")
@@ -111,8 +111,10 @@ def _unreadable_request(request_id: str, reason: str) -> RecordUnreadable:
 
 
 class Requests:
-    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, leases_key: str) -> None:
+    def __init__(self, client: redis.Redis, keys: Keys, ttl_s: int, leases_key: str,
+                 status_of: Callable[[str], int] = status_unknown) -> None:
         self.client = client
+        self.status_of = status_of  # an outcome's HTTP status, written for versions from before errors were types
         self.keys = keys
         self.ttl_s = ttl_s
         self.leases_key = leases_key
@@ -122,9 +124,10 @@ class Requests:
         self._update = client.register_script(_UPDATE)
 
     @classmethod
-    def from_settings(cls, settings: Settings, client: redis.Redis) -> Requests:
+    def from_settings(cls, settings: Settings, client: redis.Redis,
+                      status_of: Callable[[str], int] = status_unknown) -> Requests:
         keys = Keys.from_settings(settings)
-        return cls(client, keys, settings.stores.result_ttl_s, keys.inflight + ":instances")
+        return cls(client, keys, settings.stores.result_ttl_s, keys.inflight + ":instances", status_of)
 
     def _ttl(self, record: Record, now: float) -> int:
         """Until the result TTL after the call's deadline (it is rewritten, shorter, when the call finishes)."""
@@ -189,7 +192,7 @@ class Requests:
 
     def finished(self, record: Record, outcome: Outcome) -> tuple[str, str]:
         """The record as finished (key, value), for the script that collects its results to write with them."""
-        return self.record_key(record), replace(record, outcome=outcome).to_json()
+        return self.record_key(record), replace(record, outcome=outcome).to_json(self.status_of)
 
     def finish(self, record: Record, outcome: Outcome, idem: Idempotency | None, now: float,
                results_written_at: float | None = None) -> None:
@@ -198,25 +201,26 @@ class Requests:
         it), so that a record never outlives what it answers with."""
         ttl = self.ttl_s if results_written_at is None else self.ttl_s - (now - results_written_at)
         ttl_s = max(1, math.floor(ttl))
-        done = replace(record, outcome=outcome).to_json()
+        done = replace(record, outcome=outcome).to_json(self.status_of)
         if idem is None:
             self.client.set(self.record_key(record), done, ex=ttl_s)
             return
         self._update(keys=[self.record_key(record), self._idem_key(record.tenant, idem)],
                      args=positional(UpdateArgs(record=done, item=record.items[0], ttl_s=ttl_s)))
 
-    def published(self, records: Sequence[Record], *, sending: bool = False) -> list[bool]:
+    def published(self, records: Sequence[Record], *, sending: bool = False) -> list[bool | None]:
         """Mark idempotent calls' records (one round trip): their requests are in RabbitMQ (or, ``sending``, about
         to be sent and perhaps there), so a retry waits for them to be answered. The mark before the publish is
         what makes a key safe to take over: a record still unmarked was never sent; one marked "sending" whose
         process died may have been, and a retry follows it up to its deadline rather than running it twice. Per
-        record, whether it was still its call's (False: a retry took its key over while this process stalled)."""
+        record, whether it was still its call's: True, False (a retry took its key over while this process
+        stalled) or None (the record is gone: Redis lost it, as in a restart; nobody took the key over)."""
         pipe = self.client.pipeline(transaction=False)
         for record in records:
             marked = replace(record, published=None if sending else True)
             args = UpdateArgs(record=marked.to_json(), item=record.items[0], ttl_s="")
             self._update(keys=[self.record_key(record), ""], args=positional(args), client=pipe)
-        return [bool(written) for written in pipe.execute()]
+        return [None if int(written) < 0 else bool(written) for written in pipe.execute()]
 
     def release(self, record: Record, idem: Idempotency | None) -> None:
         """Forget a call that did not run (refused, or a stream whose caller went away), and free its key; what

@@ -66,6 +66,11 @@ class KeyIndex:
         self._reload(blocking=True, unless_tried_since=arrived)
         return self._answer(key_id, key_hash)
 
+    def holds(self, key_id: str, key_hash: str) -> bool:
+        """Whether the index as loaded holds this active key: from memory only (no load, no wait)."""
+        known = (self._hashes or {}).get(key_id)
+        return known is not None and hmac.compare_digest(known, key_hash)
+
     def _answer(self, key_id: str, key_hash: str) -> bool | None:
         if self._hashes is None:
             return None
@@ -107,11 +112,14 @@ class TenantDirectory:
 
     def __init__(self, store: KeyStore, ttl_s: float, clock: Callable[[], float] = time.monotonic,
                  max_entries: int = 10_000, max_misses: int = 10_000,
-                 sleep: Callable[[float], None] = time.sleep) -> None:
+                 sleep: Callable[[float], None] | None = None) -> None:
         self.store = store
         self._principals: LookupCache[Principal] = LookupCache("API key", ttl_s, clock, max_entries)
         self._misses = RecentMisses(ttl_s, clock, max_misses)
-        self._index = KeyIndex(lambda: self.store.active_keys(), ttl_s, clock, sleep)
+        # time.sleep looked up when called: this module is imported before gevent patches it in a gunicorn worker,
+        # and the unpatched one would stop the whole process for every caller waiting for the index
+        self._index = KeyIndex(lambda: self.store.active_keys(), ttl_s, clock,
+                               sleep or (lambda seconds: time.sleep(seconds)))
         self._policies: LookupCache[TenantPolicy] = LookupCache("tenant's settings", ttl_s, clock, max_entries)
 
     def principal(self, key: str | None) -> Principal:
@@ -152,6 +160,19 @@ class TenantDirectory:
             return None if found is None else found.tenant.priority
         policy = self._policies.fresh(tenant)
         return None if policy is None else policy.priority
+
+    def known_caller(self, key: str) -> str | None:
+        """Who calls with ``key`` as far as memory tells, without a query or a wait (the door names callers with
+        it on every arrival): its tenant once the key has been looked up, ``key <id>`` for an active key the
+        index holds but no call has looked up yet (one name per real key), None for any other key."""
+        key_id = key_id_of(key)
+        if key_id is None:
+            return None  # malformed: not even hashed
+        slot = hash_key(key)
+        found = self._principals.fresh(slot)
+        if found is not None:
+            return str(found.tenant.name)
+        return f"key {key_id}" if self._index.holds(key_id, slot) else None
 
     def policy(self, tenant: str) -> TenantPolicy:
         """A tenant's policy by name (when authentication is off and the caller names its tenant)."""

@@ -16,7 +16,7 @@
 - **Expiry.** Every file has an ``expires_at`` (``expires_after`` on upload, seconds after its creation, as
   OpenAI's; by default ``LLMB_FILES_EXPIRE_S``); from then it is not found, and :meth:`FileStore.delete_expired`
   (run by ``llmb-jobs`` every ``LLMB_FILES_CLEANUP_S``) deletes its bytes and its row.
-- **Disk full** (ENOSPC, EDQUOT) while writing is :class:`StorageFull` (507), never a 500.
+- **Disk full** (ENOSPC, EDQUOT) while writing is :class:`tasks.errors.StorageFull` (507), never a 500.
 
 Every lookup is scoped to a tenant: another tenant's file is not found. Output files (written by a job) have fixed
 ids (:func:`tasks.policy.batchfile.output_file_id`): writing one again after a crash replaces it, whole.
@@ -41,7 +41,7 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from tasks.config import Settings
-from tasks.errors import BatchingError, PayloadTooLarge
+from tasks.errors import PayloadTooLarge, QuotaExceeded, StorageFull
 from tasks.policy.batchfile import new_id
 from tasks.store.models import FileRecord, make_engine
 
@@ -52,18 +52,7 @@ TEMP_MAX_AGE_S = 3600.0  # a temporary file this old belongs to no write still r
 DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
 
 
-class QuotaExceeded(BatchingError):
-    """Raised when an upload would take its tenant over its file quota (count or bytes)."""
-
-    status = 403
-    type = "quota_exceeded"
-
-
-class StorageFull(BatchingError):
-    """Raised when the files folder's disk (or the tenant's disk quota) is full while a file is written."""
-
-    status = 507
-    type = "insufficient_storage"
+QUOTA_HOW = "delete files it no longer needs (DELETE /v1/files/{id}) or wait for them to expire"
 
 
 def file_too_large(max_bytes: int) -> PayloadTooLarge:
@@ -215,16 +204,28 @@ class FileStore:
     def receive(self, tenant: str, max_bytes: int) -> Sink:
         """A sink for a new upload of ``tenant``: QuotaExceeded at once when the tenant holds as many files as it
         may, or as it is written when it takes the tenant over its bytes; PayloadTooLarge beyond ``max_bytes``."""
-        used = self.usage(tenant) if self.tenant_max_count or self.tenant_max_bytes else Usage(0, 0)
-        held = f"tenant {tenant!r} holds {used.files} file(s) of {used.bytes} bytes"
-        how = "delete files it no longer needs (DELETE /v1/files/{id}) or wait for them to expire"
-        if self.tenant_max_count and used.files >= self.tenant_max_count:
-            raise QuotaExceeded(f"{held}: its quota is {self.tenant_max_count} files "
-                                f"(LLMB_FILES_TENANT_MAX_COUNT); {how}")
+        used, held = self._count_checked(tenant)
         quota_left = max(0, self.tenant_max_bytes - used.bytes) if self.tenant_max_bytes else None
         message = (f"{held}: this upload would take it over its quota of {self.tenant_max_bytes} bytes "
-                   f"(LLMB_FILES_TENANT_MAX_BYTES); {how}")
+                   f"(LLMB_FILES_TENANT_MAX_BYTES); {QUOTA_HOW}")
         return Sink(self.root, max_bytes, quota_left, message)
+
+    def check_quota(self, tenant: str) -> None:
+        """QuotaExceeded when ``tenant`` holds as many files, or as many bytes, as its quota allows: a new batch
+        is refused then, as an upload is (its output and error files would add to them)."""
+        used, held = self._count_checked(tenant)
+        if self.tenant_max_bytes and used.bytes >= self.tenant_max_bytes:
+            raise QuotaExceeded(f"{held}: its quota is {self.tenant_max_bytes} bytes "
+                                f"(LLMB_FILES_TENANT_MAX_BYTES); {QUOTA_HOW}")
+
+    def _count_checked(self, tenant: str) -> tuple[Usage, str]:
+        """The tenant's usage and its words; QuotaExceeded when it holds as many files as it may."""
+        used = self.usage(tenant) if self.tenant_max_count or self.tenant_max_bytes else Usage(0, 0)
+        held = f"tenant {tenant!r} holds {used.files} file(s) of {used.bytes} bytes"
+        if self.tenant_max_count and used.files >= self.tenant_max_count:
+            raise QuotaExceeded(f"{held}: its quota is {self.tenant_max_count} files "
+                                f"(LLMB_FILES_TENANT_MAX_COUNT); {QUOTA_HOW}")
+        return used, held
 
     def commit(self, sink: Sink, tenant: str, purpose: str, filename: str, expires_s: int | None = None,
                file_id: str | None = None) -> FileInfo:

@@ -19,6 +19,12 @@ A job's life::
   ran it and however often. A job resumed after a crash sends only the lines still pending.
 - **Output files** are assembled from the rows once no line is pending, then the job is marked done; a crash in
   between assembles them again (the files have fixed ids).
+- **Bounds per tenant.** A tenant has at most ``LLMB_JOBS_TENANT_MAX_ACTIVE`` jobs not yet ended (one more is
+  refused at create, 403 ``quota_exceeded``) and holds at most ``LLMB_JOBS_TENANT_MAX_LINES`` rows of
+  ``batch_lines`` (a job that would take it over fails validation, saying so). A job's rows are deleted when it
+  ends, in the transaction that records its end (its output files are written by then), except a completed job's,
+  kept until its expiry for ``llmb-admin jobs show --lines``; ``llmb-jobs`` sweeps those, and what earlier
+  versions kept of ended jobs (:meth:`JobStore.sweep_lines`, bounded per pass).
 """
 from __future__ import annotations
 
@@ -27,11 +33,12 @@ from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from sqlalchemy import and_, func, insert, or_, select, update
+from sqlalchemy import and_, delete, func, insert, or_, select, update
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from tasks.config import Settings
+from tasks.errors import QuotaExceeded
 from tasks.policy.batchfile import COMPLETION_WINDOWS, MAX_ERRORS, InputLine, LineError, line_request_id, new_id
 from tasks.store.models import BatchJobRecord, BatchLineRecord, make_engine
 
@@ -40,6 +47,7 @@ CANCELLABLE = ("validating", "in_progress")
 FINAL = ("completed", "failed", "cancelled", "expired")
 INSERT_CHUNK = 500  # lines written per statement...
 INSERT_CHUNK_BYTES = 1024 * 1024  # ...or fewer, when their bodies add up to this much
+DELETE_CHUNK = 5000  # lines deleted per statement (a sweep's pass deletes at most its limit)
 
 
 @dataclass(frozen=True)
@@ -139,7 +147,17 @@ class JobStore:
 
     # -- the API's side ----------------------------------------------------------------------------------
     def create(self, tenant: str, endpoint: str, input_file_id: str, completion_window: str,
-               metadata: dict[str, Any] | None, now: float, output_expires_s: int | None = None) -> JobInfo:
+               metadata: dict[str, Any] | None, now: float, output_expires_s: int | None = None, *,
+               max_active: int = 0, max_lines: int = 0) -> JobInfo:
+        """A new job, ``validating``. QuotaExceeded when the tenant has ``max_active`` jobs not yet ended, or holds
+        ``max_lines`` lines already (0: no bound)."""
+        active, lines = self.held(tenant, now)
+        if max_active and active >= max_active:
+            raise QuotaExceeded(f"tenant {tenant!r} has {active} batches not yet ended: its bound is {max_active} "
+                                "(LLMB_JOBS_TENANT_MAX_ACTIVE); wait for one to end, or cancel one")
+        if max_lines and lines >= max_lines:
+            raise QuotaExceeded(f"tenant {tenant!r} holds {lines} batch lines: its bound is {max_lines} "
+                                "(LLMB_JOBS_TENANT_MAX_LINES); wait for its batches to end")
         record = BatchJobRecord(
             id=new_id("batch_", now), tenant=tenant, endpoint=endpoint, input_file_id=input_file_id,
             completion_window=completion_window, status="validating",
@@ -150,6 +168,19 @@ class JobStore:
             session.add(record)
             session.flush()
             return _job(record)
+
+    def held(self, tenant: str, now: float, *, besides: str | None = None) -> tuple[int, int]:
+        """(jobs not yet ended, lines held) of ``tenant`` (leaving ``besides`` out): the lines of its jobs not yet
+        ended and of its completed jobs not yet expired, by their ``total`` (no line is counted one by one)."""
+        j = BatchJobRecord
+        holding = or_(j.status.in_(ACTIVE), and_(j.status == "completed", j.expires_at > now))
+        query = (select(func.count().filter(j.status.in_(ACTIVE)), func.coalesce(func.sum(j.total), 0))
+                 .where(j.tenant == tenant, holding))
+        if besides is not None:
+            query = query.where(j.id != besides)
+        with Session(self.engine) as session:
+            active, lines = session.execute(query).one()
+        return int(active or 0), int(lines or 0)
 
     def get(self, job_id: str, tenant: str | None = None) -> JobInfo | None:
         """The job, if it is ``tenant``'s (None: anyone's)."""
@@ -278,7 +309,10 @@ class JobStore:
             done = conn.execute(update(j).where(j.id == job_id, j.lease_owner == owner, j.status == "validating")
                                 .values(status="failed", failed_at=now, lease_owner=None, lease_until=None,
                                         errors=json.dumps([e.to_dict() for e in errors])))
-            return bool(done.rowcount == 1)
+            if done.rowcount != 1:
+                return False
+            conn.execute(delete(BatchLineRecord).where(BatchLineRecord.job_id == job_id))
+            return True
 
     def status(self, job_id: str) -> str | None:
         with Session(self.engine) as session:
@@ -334,14 +368,43 @@ class JobStore:
 
     def finish(self, job_id: str, owner: str, status: str, output_file_id: str | None, error_file_id: str | None,
                now: float) -> bool:
-        """The job's end (``completed``, ``cancelled`` or ``expired``) with its files; the lease is given up."""
+        """The job's end (``completed``, ``cancelled`` or ``expired``) with its files; the lease is given up. The
+        lines of a job cancelled or expired are deleted with it (its files hold them); a completed job's are kept
+        until its expiry (:meth:`sweep_lines`)."""
         j = BatchJobRecord
         stamp = {"completed": "completed_at", "cancelled": "cancelled_at", "expired": "expired_at"}[status]
         with self.engine.begin() as conn:
             done = conn.execute(update(j).where(j.id == job_id, j.lease_owner == owner, j.status.in_(ACTIVE))
                                 .values(status=status, output_file_id=output_file_id, error_file_id=error_file_id,
                                         lease_owner=None, lease_until=None, **{stamp: now}))
-            return bool(done.rowcount == 1)
+            if done.rowcount != 1:
+                return False
+            if status != "completed":
+                conn.execute(delete(BatchLineRecord).where(BatchLineRecord.job_id == job_id))
+            return True
+
+    def sweep_lines(self, now: float, limit: int) -> int:
+        """Delete at most ``limit`` lines of ended jobs that still have some (a completed job's past its expiry;
+        any other's, left by a version that kept every line for ever); returns how many."""
+        j, ln = BatchJobRecord, BatchLineRecord
+        ended = or_(j.status.in_(("failed", "cancelled", "expired")),
+                    and_(j.status == "completed", j.expires_at <= now))
+        has_lines = select(ln.job_id).where(ln.job_id == j.id).exists()
+        deleted = 0
+        with Session(self.engine) as session:
+            job_ids = list(session.scalars(select(j.id).where(ended, has_lines).order_by(j.id).limit(limit)))
+        for job_id in job_ids:
+            while deleted < limit:
+                chunk = min(DELETE_CHUNK, limit - deleted)
+                with self.engine.begin() as conn:
+                    last = conn.execute(select(ln.line_no).where(ln.job_id == job_id).order_by(ln.line_no)
+                                        .offset(chunk - 1).limit(1)).scalar()
+                    bounded = [ln.job_id == job_id] + ([] if last is None else [ln.line_no <= last])
+                    n = int(conn.execute(delete(ln).where(*bounded)).rowcount or 0)
+                deleted += n
+                if last is None:
+                    break
+        return deleted
 
     def lines(self, job_id: str, *, after_line_no: int = -1, limit: int = 1000
               ) -> list[tuple[int, str, str, str, str | None]]:

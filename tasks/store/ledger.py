@@ -199,13 +199,14 @@ class Ledger:
         rows = [{
             "id": i.id, "correlation_id": i.request_id, "tenant": i.tenant, "model": model, "status": status,
             "input_hash": input_hash(model, i.input), "input": i.input if self.store_inputs else None,
-            "params": json.dumps(i.params, sort_keys=True) if i.params else None, "priority": i.priority.value,
+            "params": json.dumps(p, sort_keys=True) if (p := i.params.to_dict()) else None,
+            "priority": i.priority.value,
             "error": error, "batch_id": batch_id, "accepted_at": ts(i.accepted_at),
             "finished_at": ts(finished_at if finished_at is not None else now),
             "queued_ms": None if started_at is None else round((started_at - i.accepted_at) * 1000, 3),
             "run_ms": run_ms, "prompt_tokens": tokens[i.id][0] if i.id in tokens else None,
             "completion_tokens": tokens[i.id][1] if i.id in tokens else None,
-            "trace_id": tracing.trace_id(i.trace)} for i in items]
+            "trace_id": tracing.trace_id(i.trace), "adapter": i.params.adapter} for i in items]
         return self._upsert(RequestRecord, rows, "id", keep_final_status=True)
 
     def _upsert(self, model: type[Base], rows: list[dict[str, Any]], key: str | tuple[str, ...],

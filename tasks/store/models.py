@@ -1,8 +1,9 @@
 """Every table of the database, in one place (the schema is managed by Alembic in ``migrations/``).
 
 Requests, batches and quarantined inputs are the outcome ledger (:mod:`tasks.store.ledger`); tenants and API
-keys are :mod:`tasks.store.tenants`; files, batch jobs and their lines are the Batch API's (:mod:`tasks.store.files`,
-:mod:`tasks.store.jobs`). One engine factory serves them all, and the CLI's migrations.
+keys are :mod:`tasks.store.tenants`; LoRA adapters are :mod:`tasks.store.adapters`; files, batch jobs and their
+lines are the Batch API's (:mod:`tasks.store.files`, :mod:`tasks.store.jobs`); stored responses are
+:mod:`tasks.store.responses`. One engine factory serves them all, and the CLI's migrations.
 
 Every string column of the ledger is a :class:`StorableString` / :class:`StorableText`: text a caller sent may
 hold what a database refuses (NUL, lone surrogates), and one such record must not stop the rest.
@@ -87,6 +88,7 @@ class RequestRecord(Base):
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     trace_id: Mapped[str | None] = mapped_column(StorableString(32))  # its call's OpenTelemetry trace (tracing on)
+    adapter: Mapped[str | None] = mapped_column(StorableString(128), index=True)  # the LoRA adapter it ran with
 
 
 class BatchRecord(Base):
@@ -155,6 +157,20 @@ class ApiKeyRecord(Base):
     revoked_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
+class AdapterRecord(Base):
+    """A registered LoRA adapter: a call naming it runs on its base model with its PEFT directory
+    (:mod:`tasks.store.adapters`). No tenant: every tenant may use it."""
+
+    __tablename__ = "adapters"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    base_model: Mapped[str] = mapped_column(String(128))
+    path: Mapped[str] = mapped_column(Text)  # the PEFT directory, as the workers see it
+    rank: Mapped[int] = mapped_column(Integer)  # "r" of its adapter_config.json
+    tenant: Mapped[str | None] = mapped_column(String(64), index=True)
+    pinned: Mapped[bool] = mapped_column(Boolean, default=False)  # once loaded, a worker never evicts it
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
 class FileRecord(Base):
     """A file of the Batch API (an uploaded input, or a job's output or errors); its bytes are in the file store."""
 
@@ -217,6 +233,23 @@ class BatchLineRecord(Base):
     status_code: Mapped[int | None] = mapped_column(Integer)
     output: Mapped[str | None] = mapped_column(Text)  # the whole output (or error) file line, JSON
     finished_at: Mapped[float | None] = mapped_column(Float)
+
+
+class ResponseRecord(Base):
+    """A stored response of the Responses API (``/v1/responses``): its Response object, its input items and the
+    conversation before them (what ``previous_response_id`` continues), and the gateway call that runs it."""
+
+    __tablename__ = "responses"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_ + time-ordered hex
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16))  # queued, in_progress, completed, incomplete, failed, cancelled
+    request_id: Mapped[str] = mapped_column(String(128))  # the gateway call (GET /v1/requests/<id>)
+    body: Mapped[str] = mapped_column(StorableText)  # the Response object, JSON
+    request: Mapped[str] = mapped_column(StorableText)  # the request body (less its input), JSON
+    input_items: Mapped[str] = mapped_column(StorableText)  # this turn's input items, JSON
+    history: Mapped[str] = mapped_column(StorableText)  # the conversation's items before them, JSON
+    created_at: Mapped[float] = mapped_column(Float)  # epoch seconds
+    expires_at: Mapped[float | None] = mapped_column(Float, index=True)  # None: never
 
 
 def make_engine(url: str) -> Engine:

@@ -212,7 +212,7 @@ def _as_weight(value: float) -> float:
     except OverflowError:
         weight = math.inf
     if not (0 < weight <= MAX_WEIGHT and math.isfinite(weight)):
-        raise InvalidInput(f"weight must be a number more than 0 and at most {MAX_WEIGHT:g}, not {_shown(value)}")
+        raise InvalidInput(f"'weight' must be a number more than 0 and at most {MAX_WEIGHT:g}, not {_shown(value)}")
     return weight
 
 
@@ -220,7 +220,7 @@ def _as_cap(value: int) -> int:
     """An in-flight cap, checked before it reaches the 32-bit column (or a message 400 digits long)."""
     cap = int(value)
     if not 1 <= cap <= MAX_IN_FLIGHT:
-        raise InvalidInput(f"max_in_flight must be from 1 to {MAX_IN_FLIGHT}, not {_shown(value)}")
+        raise InvalidInput(f"'max_in_flight' must be from 1 to {MAX_IN_FLIGHT}, not {_shown(value)}")
     return cap
 
 

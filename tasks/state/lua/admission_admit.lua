@@ -2,7 +2,7 @@
 -- Built in Python by tasks.state.admission_scripts (AdmitKeys, AdmitArgs, admit_round): change both together.
 --
 -- The script admits several calls in one round trip (the calls an API process has ready at once, see
--- tasks.broker.rounds), one after the other: a call admitted counts against the caps of those after it.
+-- tasks.gateway.rounds), one after the other: a call admitted counts against the caps of those after it.
 --   KEYS: 12 per call, the calls in order (below: one call's, 1 to 12).
 --   ARGV[1]: the number of calls; then per call: the count of its arguments, and its arguments (below).
 -- Returns one verdict per call, in order:
