@@ -252,7 +252,7 @@ def test_settings_parse(overlay: str) -> None:
 # -- probes ------------------------------------------------------------------------------------------------------
 def api_routes_open() -> set[str]:
     """Routes answered without an API key: the only ones a kubelet can probe."""
-    from webapp.openapi import OPEN
+    from webapp.openapi_links import OPEN
 
     return set(OPEN)
 

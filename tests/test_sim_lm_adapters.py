@@ -11,7 +11,8 @@ from gpu_worker.backends.generation import Row
 from gpu_worker.backends.interface import NO_ADAPTERS, ItemError
 from gpu_worker.backends.sim_lm import SimLMBackend
 from gpu_worker.backends.sim_lm_adapters import AdapterCosts, AdapterGate, AdapterShape, adapter_shape
-from gpu_worker.backends.sim_lm_engine import Engine, KVCache, Seq, Timing
+from gpu_worker.backends.sim_lm_engine import Engine, Seq, Timing
+from gpu_worker.backends.sim_lm_kv import KVCache
 from gpu_worker.backends.sim_lm_text import GREEDY, Text
 from tasks.policy.adapter_residency import AdapterResidency
 from tasks.schema import SamplingParams

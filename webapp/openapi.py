@@ -19,6 +19,7 @@ from tasks.schema import MAX_CHOICES, bounds
 from webapp.batch_api import MAX_PAGE
 from webapp.openai_fields import FIELDS, Handling
 from webapp.openai_schema import MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS
+from webapp.openapi_links import linked
 from webapp.validation import MODEL, timeout_limit_ms
 
 Schema = dict[str, Any]
@@ -387,46 +388,6 @@ def _native_paths(settings: Settings) -> Schema:
     }
 
 
-# what a created object's id opens (OpenAPI links: the stateful phase of Schemathesis follows them, so a file it
-# uploads is then read, downloaded and deleted): (method, path) -> {link: (method, path, parameter)}
-LINKS = {
-    ("post", "/v1/files"): {"GetFile": ("get", "/v1/files/{file_id}", "file_id"),
-                            "GetFileContent": ("get", "/v1/files/{file_id}/content", "file_id"),
-                            "DeleteFile": ("delete", "/v1/files/{file_id}", "file_id")},
-    ("post", "/v1/batches"): {"GetBatch": ("get", "/v1/batches/{batch_id}", "batch_id"),
-                              "CancelBatch": ("post", "/v1/batches/{batch_id}/cancel", "batch_id")},
-    ("post", "/v1/infer"): {"GetRequest": ("get", "/v1/requests/{request_id}", "request_id")},
-    ("post", "/v1/responses"): {"GetResponse": ("get", "/v1/responses/{response_id}", "response_id"),
-                                "GetInputItems": ("get", "/v1/responses/{response_id}/input_items", "response_id"),
-                                "DeleteResponse": ("delete", "/v1/responses/{response_id}", "response_id")},
-    ("post", "/v1/admin/keys"): {"RevokeKey": ("delete", "/v1/admin/keys/{key_id}", "key_id")},
-}
-
-
-def operation_id(method: str, path: str) -> str:
-    """``get /v1/files/{file_id}`` -> ``get_v1_files_file_id``: unique, and derived, so never out of step."""
-    return "_".join([method, *(part.strip("{}").replace(".", "_") for part in path.split("/") if part)])
-
-
-OPEN = {"/healthz", "/readyz", "/metrics", "/openapi.json"}  # answered without a key, whatever LLMB_AUTH says
-
-
-def _linked(paths: Schema) -> Schema:
-    """Give every operation its id, and the operations that create an object the links to what reads it."""
-    for path, operations in paths.items():
-        for method, op in operations.items():
-            op["operationId"] = operation_id(method, path)
-            if path in OPEN:
-                op["security"] = []
-            links = LINKS.get((method, path))
-            if links:
-                ok = next(status for status in op["responses"] if status.startswith("2"))
-                op["responses"][ok]["links"] = {
-                    name: {"operationId": operation_id(m, p), "parameters": {param: "$response.body#/id"}}
-                    for name, (m, p, param) in links.items()}
-    return paths
-
-
 def document(version: str, settings: Settings) -> Schema:
     """The whole document, with this deployment's limits (built once per process: nothing in it changes)."""
     native_error = _object({"error": _object({"type": STRING, "message": STRING, "request_id": NULLABLE_STRING},
@@ -439,7 +400,7 @@ def document(version: str, settings: Settings) -> Schema:
                  "description": "Batched LLM inference behind REST: a native API, OpenAI-compatible routes and "
                                 "OpenAI's Batch API. Errors: the native routes answer {\"error\": {\"type\", "
                                 "\"message\", \"request_id\"}}, every other /v1/ route OpenAI's shape."},
-        "paths": _linked({**_native_paths(settings), **_openai_paths(settings), **_batch_paths(settings),
+        "paths": linked({**_native_paths(settings), **_openai_paths(settings), **_batch_paths(settings),
                           **_responses_paths(settings), **_adapter_paths(settings)}),
         "components": {
             "schemas": {"NativeError": native_error, "OpenAIError": openai_error},
