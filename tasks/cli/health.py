@@ -22,7 +22,7 @@ import click
 import redis
 
 from tasks.cli.main import Admin, cli, first_line, pass_admin, shown_url
-from tasks.policy.health import Verdict, local_url, process_of, worker_id, worker_verdict
+from tasks.policy.health import HealthVerdict, local_url, process_of, worker_id, worker_verdict
 
 API_TIMEOUT_S = 4.0  # under the image's HEALTHCHECK timeout (5 s)
 
@@ -32,7 +32,7 @@ def health() -> None:
     """Health checks for probes: exit 0 when healthy, 1 when not, with one line saying why."""
 
 
-def _report(verdict: Verdict) -> NoReturn:
+def _report(verdict: HealthVerdict) -> NoReturn:
     click.echo(verdict.why)
     raise SystemExit(0 if verdict.healthy else 1)
 
@@ -70,7 +70,7 @@ def self_command(admin: Admin) -> None:
     try:
         argv = [a for a in Path("/proc/1/cmdline").read_bytes().decode(errors="replace").split("\0") if a]
     except OSError as exc:
-        _report(Verdict(False, f"cannot read PID 1's command line: {exc}"))
+        _report(HealthVerdict(False, f"cannot read PID 1's command line: {exc}"))
     process = process_of(argv)
     if process.kind == "web":
         _report(_api(local_url(admin.settings.web.bind)))
@@ -78,10 +78,10 @@ def self_command(admin: Admin) -> None:
         _report(_worker(admin, process.device, process.host or socket.gethostname()))
     if process.kind in ("batcher", "jobs", "flower"):
         _report(_links(admin))
-    _report(Verdict(True, f"no check for {' '.join(argv[:3]) or 'PID 1'}: running"))
+    _report(HealthVerdict(True, f"no check for {' '.join(argv[:3]) or 'PID 1'}: running"))
 
 
-def _worker(admin: Admin, device: int, host: str, *, draining_ok: bool = False) -> Verdict:
+def _worker(admin: Admin, device: int, host: str, *, draining_ok: bool = False) -> HealthVerdict:
     wanted = worker_id(device, host)
     redis_url = admin.settings.stores.redis_url
     try:
@@ -89,19 +89,19 @@ def _worker(admin: Admin, device: int, host: str, *, draining_ok: bool = False) 
         found = next((w for w in fleet.all() if w.id == wanted), None)  # the fleet's own reader, one HGETALL
         now = admin.clock()()
     except redis.RedisError as exc:
-        return Verdict(False, f"cannot reach Redis at {shown_url(redis_url)}: {first_line(exc, redis_url)}")
+        return HealthVerdict(False, f"cannot reach Redis at {shown_url(redis_url)}: {first_line(exc, redis_url)}")
     return worker_verdict(wanted, found, now, fleet.stale_after_s, draining_ok=draining_ok)
 
 
-def _api(url: str) -> Verdict:
+def _api(url: str) -> HealthVerdict:
     target = url.rstrip("/") + "/readyz"
     try:
         with urllib.request.urlopen(target, timeout=API_TIMEOUT_S) as answer:
-            return Verdict(True, f"{target}: {answer.status} {answer.read(200).decode(errors='replace').strip()}")
+            return HealthVerdict(True, f"{target}: {answer.status} {answer.read(200).decode(errors='replace').strip()}")
     except urllib.error.HTTPError as exc:
-        return Verdict(False, f"{target}: {exc.code} {_message(exc.read(500))}")
+        return HealthVerdict(False, f"{target}: {exc.code} {_message(exc.read(500))}")
     except (urllib.error.URLError, OSError) as exc:
-        return Verdict(False, f"{target}: {getattr(exc, 'reason', exc)}")
+        return HealthVerdict(False, f"{target}: {getattr(exc, 'reason', exc)}")
 
 
 def _message(body: bytes) -> str:
@@ -113,15 +113,16 @@ def _message(body: bytes) -> str:
         return (body.decode(errors="replace").splitlines() or [""])[0]
 
 
-def _links(admin: Admin) -> Verdict:
+def _links(admin: Admin) -> HealthVerdict:
     s = admin.settings
     try:
         admin.redis.ping()
     except redis.RedisError as exc:
-        return Verdict(False, f"cannot reach Redis at {shown_url(s.stores.redis_url)}: "
+        return HealthVerdict(False, f"cannot reach Redis at {shown_url(s.stores.redis_url)}: "
                               f"{first_line(exc, s.stores.redis_url)}")
     try:
         admin.publisher().ping()
     except Exception as exc:  # kombu's and amqp's errors alike
-        return Verdict(False, f"cannot reach the broker at {shown_url(s.broker.url)}: {first_line(exc, s.broker.url)}")
-    return Verdict(True, "Redis and the broker answer")
+        return HealthVerdict(False, f"cannot reach the broker at {shown_url(s.broker.url)}: "
+                                    f"{first_line(exc, s.broker.url)}")
+    return HealthVerdict(True, "Redis and the broker answer")

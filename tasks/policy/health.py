@@ -13,7 +13,7 @@ from tasks.schema import DRAINING, WorkerInfo
 
 
 @dataclass(frozen=True)
-class Verdict:
+class HealthVerdict:
     healthy: bool
     why: str  # one line, printed by the check
 
@@ -24,18 +24,19 @@ def worker_id(device: int, host: str) -> str:
 
 
 def worker_verdict(wanted: str, worker: WorkerInfo | None, now: float, stale_after_s: float, *,
-                   draining_ok: bool = False) -> Verdict:
+                   draining_ok: bool = False) -> HealthVerdict:
     """Healthy while ``wanted``'s heartbeat is at most ``stale_after_s`` old and it is not stopping (draining: it
     takes no more work, so it is not ready; a drain ends with the process). ``draining_ok``: a liveness check, for
     which a stopping worker still heartbeating is alive (it must not be killed while it hands its work back)."""
     if worker is None:
-        return Verdict(False, f"{wanted}: no heartbeat in the fleet (not started, still loading its model, or gone)")
+        return HealthVerdict(False, f"{wanted}: no heartbeat in the fleet (not started, still loading its model, "
+                                    "or gone)")
     age = now - worker.heartbeat_at
     if age > stale_after_s:
-        return Verdict(False, f"{wanted}: last heartbeat {age:.1f} s ago (stale after {stale_after_s:g} s)")
+        return HealthVerdict(False, f"{wanted}: last heartbeat {age:.1f} s ago (stale after {stale_after_s:g} s)")
     if worker.state == DRAINING and not draining_ok:
-        return Verdict(False, f"{wanted}: draining (stopping, taking no more work)")
-    return Verdict(True, f"{wanted}: {worker.state}, serving {worker.model}, heartbeat {max(0.0, age):.1f} s ago")
+        return HealthVerdict(False, f"{wanted}: draining (stopping, taking no more work)")
+    return HealthVerdict(True, f"{wanted}: {worker.state}, serving {worker.model}, heartbeat {max(0.0, age):.1f} s ago")
 
 
 @dataclass(frozen=True)
