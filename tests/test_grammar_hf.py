@@ -91,3 +91,25 @@ def test_static_mode_biases_rows_and_refuses_grammars(tmp_path: Path) -> None:
     assert isinstance(refused, ItemError) and "static mode" in refused.message
     assert isinstance(forced, GenerationOutput) and forced.text == static.tokenizer.decode([7] * 3)
     assert isinstance(free, GenerationOutput) and free.text != forced.text
+
+
+def test_a_padded_rows_stale_argument_is_read_as_free() -> None:
+    """transformers pads a step's sequences and leaves the padding's logits-processor arguments from an earlier
+    step: a slot past the rows prepared for this step must add nothing (it once raised IndexError, which ended
+    the engine's generation loop under 100 constrained rows at once)."""
+    import torch
+
+    from gpu_worker.backends.generation import Row
+    from gpu_worker.backends.row_logits import RowShaping, Shaping
+
+    def future(request_id: str) -> Any:
+        state = type("State", (), {"request_id": request_id, "_true_initial_tokens": 1, "initial_tokens": [5],
+                                   "generated_tokens": []})()
+        return type("Future", (), {"state": state})()
+
+    shaping = RowShaping(vocab=4)
+    shaping.add("biased", Shaping(Row.from_params(0, [5], SamplingParams(logit_bias=((2, 5.0),))), None))
+    args = shaping.prepare_tensor_args([future("free"), future("biased")])
+    stale = torch.cat([args, torch.tensor([7], dtype=torch.int32)])  # a padded row's argument from an earlier step
+    out = shaping(torch.zeros(3, 4), stale)
+    assert out.tolist() == [[0.0] * 4, [0.0, 0.0, 5.0, 0.0], [0.0] * 4]

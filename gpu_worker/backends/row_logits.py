@@ -118,5 +118,8 @@ class RowShaping(ContinuousBatchingLogitsProcessor):
         width = scores.size(-1)
         if step.size(-1) != width:  # the model's logits may be padded past the tokenizer's vocabulary
             step = torch.nn.functional.pad(step[:, :width], (0, max(0, width - step.size(-1))), value=float("-inf"))
-        extra = step[slots.clamp(min=0).long()]
-        return torch.where((slots >= 0).unsqueeze(-1), scores + extra, scores)
+        # A row past those prepared (the manager pads the step's sequences, and the padding's arguments are left
+        # from an earlier step) is free: its logits are not read.
+        shaped = (slots >= 0) & (slots < step.size(0))
+        extra = step[torch.where(shaped, slots, 0).long()]
+        return torch.where(shaped.unsqueeze(-1), scores + extra, scores)
