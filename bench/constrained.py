@@ -2,6 +2,7 @@
 
     python -m bench.constrained                 # about a minute on 2 cores; a Markdown table on stdout
     python -m bench.constrained --json report.json --outputs 1000
+    python -m bench.constrained --hf            # also hf-causal's continuous engine, the tests' tiny model (CPU)
 
 In process, no stack: the sim-lm backend (continuous batching, Llama-2-7B on an A100 timing, real clock) with its
 byte-level vocabulary (11,680 tokens: its words with and without their space, JSON and tool-call pieces, 256
@@ -17,7 +18,10 @@ objects, arrays of objects, enums, unions with null, ``$ref``).
   free rows, same text, in each), and the wall time over the simulated device time of the steps run (the masks'
   cost shows as a ratio above 1). Every row has ``max_tokens`` 64 here, so that a batch lasts as long whatever
   its share; the tokens/s still move with how long the constrained answers are (the model's doing, not the
-  mask's).
+  mask's);
+- ``--hf``: the same throughput runs on hf-causal's continuous engine with the tests' tiny random Llama on the
+  CPU (its own tokenizer's vocabulary, so its own grammars): tokens/s only (its engine answers a batch's rows
+  together, so there is no free row's own latency to read, and no device time: the steps are the CPU's own).
 """
 from __future__ import annotations
 
@@ -135,7 +139,7 @@ def validity(backend: SimLMBackend, outputs: int, rows: int) -> tuple[int, int, 
     return outputs, valid, cut
 
 
-def throughput(backend: SimLMBackend, rows: int, share: float, batches: int = 4) -> dict[str, float]:
+def throughput(backend: Any, rows: int, share: float, batches: int = 4) -> dict[str, float]:
     """``batches`` batches of ``rows`` rows at once (the worker's slots), ``share`` of each constrained: output
     tokens/s, the free rows' mean latency, and the engine's wall time per step over the simulated device's
     (above 1: the masks made the steps longer than the device would)."""
@@ -145,14 +149,17 @@ def throughput(backend: SimLMBackend, rows: int, share: float, batches: int = 4)
               for i in range(constrained)]
     params += [SamplingParams(max_tokens=64, temperature=0)] * (rows - constrained)
     simulated: list[float] = []
-    step = backend.engine.step
+    sim = isinstance(backend, SimLMBackend)  # only sim-lm's steps have a device time to compare the wall time with
+    step = backend.engine.step if sim else None
 
     def counted() -> Any:
+        assert step is not None
         out = step()
         simulated.append(out.ms)
         return out
 
-    backend.engine.step = counted  # type: ignore[method-assign]
+    if sim:
+        backend.engine.step = counted
     done: dict[tuple[int, int], float] = {}
     outs: list[Any] = []
 
@@ -167,12 +174,32 @@ def throughput(backend: SimLMBackend, rows: int, share: float, batches: int = 4)
     for t in threads:
         t.join()
     elapsed = time.perf_counter() - started
-    backend.engine.step = step  # type: ignore[method-assign]
+    if sim:
+        backend.engine.step = step
     tokens = sum(o.completion_tokens for o in outs if isinstance(o, GenerationOutput))
     free = [at - started for (_, i), at in done.items() if i >= constrained]
     return {"share": share, "tokens_per_s": tokens / elapsed, "tokens": tokens,
             "free_latency_s": sum(free) / len(free) if free else float("nan"),
-            "wall_over_device": elapsed / (sum(simulated) / 1000)}
+            "wall_over_device": elapsed / (sum(simulated) / 1000) if simulated else float("nan")}
+
+
+def hf_runs(rows: int) -> list[dict[str, float]]:
+    """:func:`throughput` on hf-causal's continuous engine with the tests' tiny random Llama (CPU)."""
+    import tempfile
+    from pathlib import Path
+
+    from gpu_worker.backends.continuous import EngineConfig
+    from gpu_worker.backends.hf_causal import HFCausalBackend
+    from harness.models import build_tiny_llama
+
+    with tempfile.TemporaryDirectory() as tmp:
+        backend = HFCausalBackend("tiny", str(build_tiny_llama(Path(tmp) / "tiny")), "cpu", rows, 256,
+                                  continuous=EngineConfig())
+        try:
+            throughput(backend, rows, 0.0, batches=1)  # warm-up: the first steps and the grammars' compilation
+            return [throughput(backend, rows, share) for share in (0.0, 0.5, 1.0)]
+        finally:
+            backend.close()
 
 
 def main() -> None:
@@ -180,10 +207,12 @@ def main() -> None:
     parser.add_argument("--outputs", type=int, default=1000, help="constrained outputs to validate")
     parser.add_argument("--rows", type=int, default=100, help="rows at once (the sim's max_batch)")
     parser.add_argument("--json", help="also write the figures here")
+    parser.add_argument("--hf", action="store_true", help="also hf-causal's continuous engine, the tiny model")
     args = parser.parse_args()
     shared = sim_grammars()
     cold, cached = compile_times(lambda: Grammars(shared.tokenizer))
     fast = SimLMBackend(speed=1000.0)  # validity and mask times: the device's time hardly counts
+    plain_mask = RowGrammar.mask
     masks = timed_masks()
     generated, valid, cut = validity(fast, args.outputs, args.rows)
     fast.close()
@@ -197,6 +226,9 @@ def main() -> None:
               "mask_us": {"count": len(masks), "p50": percentile(masks, 50), "p99": percentile(masks, 99),
                           "max": max(masks)},
               "throughput": runs}
+    if args.hf:
+        RowGrammar.mask = plain_mask  # type: ignore[method-assign]
+        report["hf_throughput"] = hf_runs(args.rows)
     print(markdown(report))
     if args.json:
         with open(args.json, "w") as f:
@@ -220,6 +252,12 @@ def markdown(r: dict[str, Any]) -> str:
         lines.append(f"| {run['share']:.0%} | {run['tokens_per_s']:.0f} | "
                      f"{run['tokens_per_s'] / base['tokens_per_s']:.2f} | {run['free_latency_s']:.3f} | "
                      f"{run['wall_over_device']:.3f} |")
+    if "hf_throughput" in r:
+        hf = r["hf_throughput"]
+        lines += ["", "hf-causal, continuous engine, tiny random Llama on the CPU:", "",
+                  "| rows constrained | output tokens/s | × unconstrained |", "|---|---|---|"]
+        lines += [f"| {run['share']:.0%} | {run['tokens_per_s']:.0f} | "
+                  f"{run['tokens_per_s'] / hf[0]['tokens_per_s']:.2f} |" for run in hf]
     return "\n".join(lines)
 
 
