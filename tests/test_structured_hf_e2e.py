@@ -48,8 +48,9 @@ class Answer(BaseModel):
 def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[openai.OpenAI]:
     root = Path(tmp_path_factory.mktemp("structured-hf"))
     model = build_tiny_llama(root / MODEL)
-    with running_stack(root / "stack", workers=[(0, {"backend": "hf-causal", "model": str(model)})], web_workers=1,
-                       hf_mode="continuous") as stack:
+    # hf-causal's default mode is the continuous engine, where grammars and tools are honoured
+    with running_stack(root / "stack", workers=[(0, {"backend": "hf-causal", "model": str(model)})],
+                       web_workers=1) as stack:
         yield openai.OpenAI(base_url=stack.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
