@@ -271,8 +271,14 @@ class Worker:
         "A worker silent for this many intervals leaves the pool.")
     max_outstanding_batches: int = setting(2, "max_outstanding_batches",
         "Batches sent to one worker and not finished (one running, one waiting); beyond it the batcher keeps accumulating.")
+    torch_threads: int = setting(1, "torch_threads",
+        "CPU threads torch runs one worker's operators on (torch.set_num_threads), for the hf-* backends. 1, as vLLM sets for its workers: the model runs on the worker's own device, and the host's cores are shared by the other workers, the API and the batcher. torch's default (one spinning thread per core) made a tiny model's batch of 100 take 28 s instead of 1.3 s on a 2-core host with one other busy process. Raise it for a CPU-only host that runs one worker; 0: torch's default.")
     restart_hold_s: float = setting(60.0, "restart_hold_s",
         "A worker stopped gracefully (SIGTERM: a rollout, a restart) is counted as its model's for this long after it left, while no other worker of the model is live: the API admits that model's calls and they wait in the batcher for the replacement within their deadlines, instead of 404/503 while the model's only worker restarts. 0: off (calls are refused from the moment it left).")
+
+    def __post_init__(self) -> None:
+        if self.torch_threads < 0:
+            raise ValueError(f"LLMB_TORCH_THREADS={self.torch_threads} is negative (0: torch's default)")
 
     @property
     def heartbeat_stale_s(self) -> float:
