@@ -30,6 +30,11 @@ def test_a_worker_runs_torch_on_one_thread_by_default_and_on_what_is_set() -> No
     assert _threads(LOADED_THREADS, LLMB_TORCH_THREADS="0") == _threads("import torch; print(torch.get_num_threads())")
 
 
+def test_the_setting_takes_precedence_over_omp_num_threads_and_0_leaves_it_to_torch() -> None:
+    assert _threads(LOADED_THREADS, LLMB_TORCH_THREADS="2", OMP_NUM_THREADS="1") == 2
+    assert _threads(LOADED_THREADS, LLMB_TORCH_THREADS="0", OMP_NUM_THREADS="1") == 1
+
+
 def test_a_negative_count_is_refused_when_the_settings_are_read() -> None:
     with pytest.raises(ValueError, match="LLMB_TORCH_THREADS"):
         Settings.from_env({"LLMB_TORCH_THREADS": "-1"})
