@@ -170,7 +170,12 @@ def test_a_flood_from_one_tenant_does_not_hold_up_another(keyed: Stack) -> None:
     b_done = max(float(r["wall"]) + float(r["ms"]) / 1000 for r in b_records)  # type: ignore[arg-type]
     a_records = records(keyed, flood, 11)
 
-    assert len(a_records) >= 4500 and all(r["status"] == 200 for r in a_records), "A's flood is all answered"
+    # every call of A's flood answered: 200, or the door's 429 "overloaded" when its API process ran more than
+    # LLMB_DOOR_MAX_DELAY_MS behind (0-246 of 5,038 in eight runs beside a busy-loop process; it is what the door
+    # does for a starved process): a told refusal, never a 5xx, a 504 or a lost call
+    refused = [r for r in a_records if r["status"] != 200]
+    assert all(r["status"] == 429 and r.get("error") == "overloaded" for r in refused), refused[:5]
+    assert len(a_records) - len(refused) >= 4500, "A's flood is answered"
     a_finish = [float(r["wall"]) + float(r["ms"]) / 1000 for r in a_records]  # type: ignore[arg-type]
     assert max(a_finish) > b_done + 2.0, "A's backlog outlived B's stream (so B really competed with it)"
     assert all(r["status"] == 200 for r in b_records)
