@@ -35,10 +35,11 @@ def embed_in_process(seconds: float) -> dict[str, Any]:
     import torch
 
     from gpu_worker.backends.hf_embed import HFEmbedBackend, default_model_path
-    from gpu_worker.backends.registry import device_for
+    from gpu_worker.backends.registry import device_for, use_torch_threads
     from tasks.config import Settings
 
-    device = device_for(0, Settings.from_env().worker.torch_threads)  # as the worker sets them
+    use_torch_threads(Settings.from_env().worker.torch_threads)  # as the worker sets them
+    device = device_for(0)
     backend = HFEmbedBackend("all-MiniLM-L6-v2", default_model_path(), device, 100)
     texts = sentences(1000)
     report: dict[str, Any] = {"device": device, "torch_threads": torch.get_num_threads()}

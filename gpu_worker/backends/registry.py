@@ -7,14 +7,20 @@ from tasks.config import HfMode, Settings
 KINDS = ("sim", "sim-lm", "hf-causal", "hf-embed")
 
 
-def device_for(gpu: int, torch_threads: int = 0) -> str:
-    """The device a worker pinned with CUDA_VISIBLE_DEVICES uses: its one GPU, or the CPU. Torch's CPU operators
-    get ``torch_threads`` threads (``LLMB_TORCH_THREADS``; 0: torch's own default, a thread per core)."""
+def device_for(gpu: int) -> str:
+    """The device a worker pinned with CUDA_VISIBLE_DEVICES uses: its one GPU, or the CPU."""
     import torch
 
-    if torch_threads > 0:
-        torch.set_num_threads(torch_threads)
     return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def use_torch_threads(threads: int) -> None:
+    """Run torch's CPU operators on ``threads`` threads (``LLMB_TORCH_THREADS``); 0 leaves torch's own choice
+    (OMP_NUM_THREADS if set, else a thread per core)."""
+    import torch
+
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: int = 0) -> Backend:
@@ -47,9 +53,9 @@ def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: i
         from gpu_worker.backends.hf_embed import HFEmbedBackend, default_model_path
 
         path = model or default_model_path()
+        use_torch_threads(settings.worker.torch_threads)
         return HFEmbedBackend(name=served_name(kind, model, settings.models.served_name), path=path,
-                              device=device_for(gpu, settings.worker.torch_threads),
-                              max_batch=settings.batcher.max_batch_size)
+                              device=device_for(gpu), max_batch=settings.batcher.max_batch_size)
     if kind == "hf-causal":
         if not model:
             raise ValueError("--backend hf-causal needs --model (a hub id such as Qwen/Qwen2.5-0.5B-Instruct, "
@@ -60,9 +66,9 @@ def load_backend(kind: str, settings: Settings, model: str | None = None, gpu: i
         m = settings.models  # its mode an HfMode: a misspelt one stopped the process when its settings were read
         engine = EngineConfig(m.cb_num_blocks, m.cb_page_size, m.cb_max_batch_tokens,
                               m.cb_max_requests) if m.hf_mode is HfMode.CONTINUOUS else None
+        use_torch_threads(settings.worker.torch_threads)
         return HFCausalBackend(name=served_name(kind, model, settings.models.served_name), path=model,
-                               device=device_for(gpu, settings.worker.torch_threads),
-                               max_batch=settings.batcher.max_batch_size,
+                               device=device_for(gpu), max_batch=settings.batcher.max_batch_size,
                                max_tokens_cap=settings.models.max_tokens_cap, continuous=engine,
                                slots=settings.models.cb_slots, max_adapters=m.max_adapters,
                                adapters_per_step=m.max_adapters_per_batch)
