@@ -2,8 +2,12 @@
 
     python -m bench.pooled flood [--batchers 2]   # B at 20/s on one aiohttp session while A sends 5,000 at once
     python -m bench.pooled idle [--calls 500]     # openai clients (max_retries=0) calling every 4.8-5.2 s
-    python -m bench.pooled burst                  # 3,000 calls at once into an idle 400/s worker, 5 s deadline
+    python -m bench.pooled burst [--pool cold]    # 3,000 calls at once into an idle 400/s worker, 5 s deadline
     python -m bench.pooled brokercut              # 40/s, 4 s deadline, every broker connection closed mid-way
+
+The burst's ``--pool``: ``cold`` (one session whose pool is empty, so each call opens a connection, then kept),
+``warm`` (the pool holds 3,000 open connections first, as a web backend's does after a busy moment: the calls go
+out without connecting) or ``none`` (a new connection per call, closed after: a client without a pool).
 
 Each starts its own system (gunicorn with two processes, the batcher(s), one sim worker at 250 ms per batch:
 400 requests/s) with API keys on, on the local RabbitMQ and Redis, prints one JSON line per run and writes
@@ -108,13 +112,20 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
             "worker": of([stack.pid("gpu0"), *stack.children("gpu0")]), "client": of([os.getpid()])}
 
 
-def burst(tmp: Path) -> dict[str, Any]:
+def burst(tmp: Path, pool: str = "cold", n: int = 3000) -> dict[str, Any]:
     with start(tmp) as stack:
         a = key(stack, "a")
-        before = cpu_seconds(stack)
-        calls = asyncio.run(pooled.burst(stack.url, 3000, "a", key=a, timeout_ms=5000))
-        cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}
-    return {"scenario": "burst", **pooled.summary(calls), "cpu_s": cpu}
+
+        async def run() -> tuple[list[pooled.Call], dict[str, float]]:
+            async with pooled.session(per_call=pool == "none") as http:
+                if pool == "warm":
+                    await pooled.warm(http, stack.url, n)
+                before = cpu_seconds(stack)
+                calls = await pooled.burst(stack.url, n, "a", key=a, timeout_ms=5000, http=http)
+                return calls, {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}
+
+        calls, cpu = asyncio.run(run())
+    return {"scenario": "burst", "pool": pool, **pooled.summary(calls), "cpu_s": cpu}
 
 
 def brokercut(tmp: Path) -> dict[str, Any]:
@@ -153,6 +164,8 @@ def main() -> None:
     parser.add_argument("--batchers", type=int, default=1)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--runs", type=int, default=1)
+    parser.add_argument("--pool", choices=["cold", "warm", "none"], default="cold",
+                        help="burst: the client's connections (see above)")
     args = parser.parse_args()
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="llmb-pooled-") as tmp:
@@ -161,7 +174,7 @@ def main() -> None:
             elif args.scenario == "idle":
                 row = idle(Path(tmp), args.calls)
             elif args.scenario == "burst":
-                row = burst(Path(tmp))
+                row = burst(Path(tmp), args.pool)
             else:
                 row = brokercut(Path(tmp))
         print(json.dumps(row), flush=True)

@@ -64,14 +64,26 @@ async def _headers_sent(_: Any, context: Any, __: Any) -> None:
         context.trace_request_ctx["sent"] = time.monotonic()
 
 
-def session(limit: int = 0) -> aiohttp.ClientSession:
-    """A pooled session as a web backend has it (``limit=0``: no cap on connections; aiohttp's default is 100).
-    It notes when each request's headers were written: a client opening thousands of calls at once on two
-    cores spends seconds of its own CPU before the last is sent, which is no part of the server's answer time."""
+def session(limit: int = 0, per_call: bool = False) -> aiohttp.ClientSession:
+    """A pooled session as a web backend has it (``limit=0``: no cap on connections; aiohttp's default is 100),
+    or (``per_call``) one that opens a new connection for each call and closes it after, as a client without a
+    pool does. It notes when each request's headers were written: a client opening thousands of calls at once on
+    two cores spends seconds of its own CPU before the last is sent, which is no part of the server's answer
+    time."""
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(_headers_sent)
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit), timeout=aiohttp.ClientTimeout(total=None),
-                                 trace_configs=[trace])
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, force_close=per_call),
+                                 timeout=aiohttp.ClientTimeout(total=None), trace_configs=[trace])
+
+
+async def warm(http: aiohttp.ClientSession, url: str, n: int) -> None:
+    """Leave ``n`` open connections in ``http``'s pool (``n`` GET /healthz at once, each read whole), as a web
+    backend's pool is after a busy moment: its next burst then goes out on them without connecting first."""
+    async def one() -> None:
+        async with http.get(f"{url}/healthz") as response:
+            await response.read()
+
+    await asyncio.gather(*(one() for _ in range(n)))
 
 
 def headers_for(tenant: str, key: str | None) -> dict[str, str]:

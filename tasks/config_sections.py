@@ -200,7 +200,7 @@ class AdmissionSettings:
     cap: int = setting(10_000, "admission_cap",
         "Most interactive items admitted and not yet answered, across all API processes (fewer when the fleet could not answer a new request within its deadline); over it: 429.")
     queue_share: float = setting(1.0, "queue_share",
-        "Share of what the fleet can answer within a request's deadline (its measured throughput x the deadline less two batch times, beyond one batch per worker) that admission fills before refusing with 429 queue_full while the model's line is good queue (a burst: it emptied within LLMB_QUEUE_INTERVAL_MS). 1.0 lets a burst into an idle fleet fill all it can answer in time. Between 0.1 and 1.")
+        "Share of what the fleet can answer within a request's deadline (its measured throughput x the deadline less two batch times, or one once the line has been deep enough for its running batches to be full, beyond one batch per worker) that admission fills before refusing with 429 queue_full while the model's line is good queue (a burst: it emptied within LLMB_QUEUE_INTERVAL_MS). 1.0 lets a burst into an idle fleet fill all it can answer in time. Between 0.1 and 1.")
     queue_standing_share: float = setting(0.75, "queue_standing_share",
         "The same share while the model's line stands (it has not emptied for LLMB_QUEUE_INTERVAL_MS: a steady overload): the margin that keeps a steady overload's callers from waiting close to their deadlines (300%: answered p50 3.1 s of 4.5 s at 0.75, 3.6 s at 0.9; the same goodput). Between 0.1 and 1.")
     queue_target_s: float = setting(0.0, "queue_target_ms",

@@ -11,7 +11,7 @@ import redis
 from harness.admitting import collect, try_admit
 from harness.stack import REDIS_URL, wait_for
 from tasks.config import Settings
-from tasks.policy.capacity import deadline_cap, left_after, recommended_workers, retry_after_s
+from tasks.policy.capacity import deadline_cap, full_batches_margin, left_after, recommended_workers, retry_after_s
 from tasks.schema import Priority, WorkerInfo
 from tasks.state.admission import Admission, AdmissionVerdict, AdmitCall, CollectCall, Ticket
 from tasks.state.model_load import model_load
@@ -37,8 +37,28 @@ def test_the_admission_cap_shrinks_to_what_the_fleet_can_answer_in_time() -> Non
     assert deadline_cap([w(250.0), w(500.0)], 2.0, 10_000, 0.75) == 200 + (600 - 200) * 3 // 4
     assert deadline_cap([w(250.0)], 0.1, 10_000, 0.75) == 100  # never below one full batch per worker
     assert deadline_cap([w(250.0)], 300.0, 10_000, 0.75) == 10_000  # never above the configured cap
+    # one batch time less of margin once the batches running are known to be full: 400/s x (5 s - 0.25 s)
+    assert deadline_cap([w(250.0)], 5.0, 10_000, 1.0, margin_batches=1) == 1900
     with pytest.raises(ValueError, match=r"LLMB_QUEUE_SHARE=1\.5 is not between 0\.1 and 1"):
         Settings.of(queue_share=1.5)
+
+
+def test_one_batch_time_of_margin_once_a_deep_line_has_run_only_full_batches() -> None:
+    """A line deeper than the workers take (their outstanding batches, and a full batch each waiting) for as long
+    as a batch can wait and run: every batch running was formed full, so the batch running when a call's turn
+    comes needs no second batch time of margin. Two until then (a burst's first batches: 1 and 16 items)."""
+    def w(batch_ms: float) -> WorkerInfo:
+        return WorkerInfo(id="w", queue="q", model="sim", max_batch=100, state="busy", outstanding=2, completed=9,
+                          batch_started_at=None, batch_ms_estimate=batch_ms, heartbeat_at=0.0)
+
+    assert full_batches_margin([w(250.0)], 0.0, 2) == 2.0  # not deep, or only just
+    assert full_batches_margin([w(250.0)], 0.49, 2) == 2.0  # a batch formed before it may still be running
+    assert full_batches_margin([w(250.0)], 0.5, 2) == 1.0  # two batch times: formed (at most one ahead) and run
+    assert full_batches_margin([w(250.0)], 0.6, 3) == 2.0  # a worker taking three waits longer for its third
+    assert full_batches_margin([w(250.0)], 0.75, 3) == 1.0
+    assert full_batches_margin([w(250.0), w(500.0)], 0.9, 2) == 2.0  # by the slowest worker's batch
+    assert full_batches_margin([w(250.0), w(500.0)], 1.0, 2) == 1.0
+    assert full_batches_margin([], 100.0, 2) == 2.0  # no worker known
 
 
 def test_recommended_workers_follow_arrival_rate_batch_time_and_headroom() -> None:

@@ -32,7 +32,7 @@ from tasks.config import Settings
 from tasks.errors import InvalidInput, Overloaded, QueueFull, Unavailable
 from tasks.gateway.admission_queue import ROOM_ADMITS_PER_S
 from tasks.gateway.calls import Call
-from tasks.policy.capacity import deadline_cap, left_after
+from tasks.policy.capacity import deadline_cap, full_batches_margin, left_after
 from tasks.policy.refusal import FULL_HOLD_S, AdmissionVerdict
 from tasks.policy.room import Placed
 from tasks.schema import Priority, WorkerInfo
@@ -246,7 +246,10 @@ def test_a_burst_is_placed_in_its_models_line_by_what_the_fleet_answers_in_time(
 
     def fits(n: int) -> bool:  # the n-th call: 2n ahead (both processes), less what the worker answers by its turn
         turn_s = n / ROOM_ADMITS_PER_S
-        return left_after(2 * n, workers, turn_s) + 1 <= deadline_cap(workers, 5.0 - turn_s, cap, share)
+        at_turn = left_after(2 * n, workers, turn_s)
+        # a line deeper than the worker takes (two batches) and a batch beside, until the turn: full batches then
+        margin = full_batches_margin(workers, turn_s if at_turn > 300 else 0.0, 2)
+        return at_turn + 1 <= deadline_cap(workers, 5.0 - turn_s, cap, share, margin)
 
     assert fits(let_in - 1) and not fits(let_in)  # all that fit by their turn, and no more
     if_none_answered = next(n for n in range(2000)
@@ -296,7 +299,7 @@ def standing_queue(tmp_path: Path, **overrides: object) -> tuple[Any, FakeClock,
     app = create_app(Settings.from_env(overrides={"auth": "none", "namespace": f"fd{time.monotonic_ns()}",
                                                   "database_url": database_url, "web_workers": 2, **overrides}))
     queue = services(app).queue
-    queue.clock = queue.room.clock = queue.standing.clock = clock
+    queue.clock = queue.room.clock = queue.standing.clock = queue.deep.clock = clock
     workers = [WorkerInfo(id="gpu0@h", queue="q", model="sim", max_batch=100, state="idle", outstanding=0,
                           completed=1, batch_started_at=None, batch_ms_estimate=250.0, heartbeat_at=time.time())]
     queue.workers.last = workers
@@ -319,12 +322,13 @@ def test_a_standing_line_keeps_the_margin_and_a_burst_fills_the_deadline(tmp_pat
     admission = queue.settings.admission
     assert (admission.queue_share, admission.queue_standing_share, admission.queue_target_s) == (1.0, 0.75, 0.0)
     burst_cap, standing_cap = (deadline_cap(workers, 5.0, admission.cap, share) for share in (1.0, 0.75))
-    assert standing_cap < burst_cap
+    full_burst_cap = deadline_cap(workers, 5.0, admission.cap, 1.0, margin_batches=1)  # its batches run full
+    assert standing_cap < burst_cap < full_burst_cap
     assert queue.cap_for("sim", 5.0, workers) == burst_cap  # idle: good queue
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1500, None)  # a burst fills the line
     clock.advance(admission.queue_interval_s - 0.1)
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1500, None)
-    assert queue.cap_for("sim", 5.0, workers) == burst_cap  # not standing yet
+    assert queue.cap_for("sim", 5.0, workers) == full_burst_cap  # not standing yet
     clock.advance(0.2)
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.FULL, 1500, None)  # never emptied: it stands
     assert queue.cap_for("sim", 5.0, workers) == standing_cap
@@ -332,6 +336,28 @@ def test_a_standing_line_keeps_the_margin_and_a_burst_fills_the_deadline(tmp_pat
     assert queue.cap_for("sim", 5.0, workers) == standing_cap  # (an estimate is no proof: a stalled process's is not)
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1, None)  # a verdict counts 1 item ahead
     assert queue.cap_for("sim", 5.0, workers) == burst_cap  # emptied: good queue again
+
+
+def test_a_deep_lines_cap_keeps_one_batch_time_for_the_batches_running(tmp_path: Path) -> None:
+    """LLMB_MAX_OUTSTANDING_BATCHES at its default (2): by the admission script's counts, a model's line deeper than
+    its worker takes and a batch beside (300 items) for two batch times has run only full batches, and its cap
+    (the door's and the script's) keeps one batch time of margin for them, not two; a count within that depth
+    puts the two back at once. The door reckons the same for a call whose turn is that far off, its line that
+    deep until then."""
+    queue, clock, workers = standing_queue(tmp_path)
+    assert queue.settings.worker.max_outstanding_batches == 2
+    cap = queue.settings.admission.cap
+    two, one = (deadline_cap(workers, 5.0, cap, 1.0, margin_batches=m) for m in (2, 1))
+    assert one == two + 100  # a full batch more
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 301, None)  # just deeper
+    assert queue.cap_for("sim", 5.0, workers) == two  # its running batch may be a burst's first few items
+    clock.advance(0.49)
+    assert queue.cap_for("sim", 5.0, workers) == two
+    clock.advance(0.01)
+    assert queue.cap_for("sim", 5.0, workers) == one
+    queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 300, None)  # no deeper than the worker takes
+    assert queue.cap_for("sim", 5.0, workers) == two
+    assert queue.cap_for("sim", 5.0, workers, deep_for_s=0.5) == one  # what the door reckons for a later turn
 
 
 def test_a_standing_line_is_held_to_the_target_when_one_is_set(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ from tasks.config import Settings
 from tasks.errors import BatchingError, QueueFull
 from tasks.gateway.gate import Gate
 from tasks.gateway.links import live_workers
-from tasks.policy.capacity import deadline_cap, left_after, slowest_batch_s, throughput
+from tasks.policy.capacity import deadline_cap, full_batches_margin, left_after, slowest_batch_s, throughput
 from tasks.policy.refusal import AdmissionVerdict, FullVerdictCache, admission_refusal, not_served
 from tasks.policy.room import Placed, Room
 from tasks.policy.shedding import too_slow
@@ -55,19 +55,29 @@ class AdmissionQueue:
         self.full = FullVerdictCache()  # the fresh FULL verdicts of this process's admissions
         self.room = Room(settings.web.workers, settings.admission.door_max_delay_s + ROOM_PENDING_SLACK_S, clock)
         self.standing = StandingQueue(settings.admission.queue_interval_s, settings.admission.queue_target_s, clock)
+        # since when each model's line has held more than its workers take (their outstanding batches) and a full
+        # batch each beside: every batch formed meanwhile was full (never standing: only its age is read)
+        self.deep = StandingQueue(0.0, 0.0, clock)
         self._reading_fleet = threading.Lock()  # gevent's once gunicorn's worker has monkey-patched threading
         self._pruned_at = clock()
 
-    def cap_for(self, model: str, timeout_s: float, workers: list[WorkerInfo] | None = None) -> int:
+    def cap_for(self, model: str, timeout_s: float, workers: list[WorkerInfo] | None = None,
+                deep_for_s: float | None = None) -> int:
         """Items of ``model`` that may be in flight for a new one to be answered within ``timeout_s`` (``workers``:
         the model's live workers, when the caller has them): the whole deadline fit (``LLMB_QUEUE_SHARE``) while
         the model's line is a burst's; while it stands (:class:`tasks.policy.standing.StandingQueue`), the
         standing share's margin, and at most what the fleet answers in ``LLMB_QUEUE_TARGET_MS`` when that is
-        set. The door places calls against it and the admission script is given it: one cap."""
+        set. The door places calls against it and the admission script is given it: one cap. The margin for the
+        batches running is one batch time once the line has held more than the workers take long enough for
+        those to be full (:func:`tasks.policy.capacity.full_batches_margin`), two before: ``deep_for_s`` is how
+        long it will have by then (None: as the admission script's counts have seen it, up to now)."""
         if workers is None:
             workers = [w for w in live_workers(self.workers) if w.model == model]
         admission = self.settings.admission
-        cap = deadline_cap(workers, timeout_s, admission.cap, admission.queue_share)
+        if deep_for_s is None:
+            deep_for_s = self.deep.full_for(model)
+        margin = full_batches_margin(workers, deep_for_s, self.settings.worker.max_outstanding_batches)
+        cap = deadline_cap(workers, timeout_s, admission.cap, admission.queue_share, margin)
         if workers and self.standing.standing(model):  # a standing line keeps the margin (and the target, if set)
             cap = min(cap, deadline_cap(workers, timeout_s, admission.cap, admission.queue_standing_share))
             if admission.queue_target_s > 0:
@@ -147,7 +157,9 @@ class AdmissionQueue:
         if bound_s and waited_s + turn_s > bound_s:
             return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))
         at_turn = left_after(ahead, workers, turn_s)  # the fleet works through the queue meanwhile
-        if at_turn + 1 > self.cap_for(model, timeout_s - turn_s, workers):
+        # a line deeper than the workers take until the call's turn has run full batches by then
+        deep_for_s = self.deep.full_for(model) + turn_s if at_turn > self._taken(workers) else 0.0
+        if at_turn + 1 > self.cap_for(model, timeout_s - turn_s, workers, deep_for_s):
             return admission_refusal(AdmissionVerdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
                                      hashes=(), workers=workers, admission_cap=self.settings.admission.cap,
                                      retry_floor_s=self.settings.admission.retry_after_s)  # type: ignore[return-value]
@@ -165,12 +177,19 @@ class AdmissionQueue:
             self.room.decided((model, priority), ahead, throughput(served))
             if priority == Priority.INTERACTIVE and served:  # whether the line empties: from the script's counts
                 self.standing.observe(model, ahead - sum(w.max_batch for w in served))  # alone, not the estimate
+                self.deep.observe(model, ahead - self._taken(served))
         now = self.clock()
         if now - self._pruned_at > ROOM_PRUNE_S:  # the lines of models no longer served go
             self._pruned_at = now
             models = {w.model for w in self.workers.last}
             self.room.keep_only(lambda key: isinstance(key, tuple) and key[0] in models)
             self.standing.keep_only(lambda key: key in models)
+            self.deep.keep_only(lambda key: key in models)
+
+    def _taken(self, workers: list[WorkerInfo]) -> int:
+        """Items beyond which a model's line is deep: what its workers take (their outstanding batches) and one full
+        batch each beside, waiting (:func:`tasks.policy.capacity.full_batches_margin`)."""
+        return (self.settings.worker.max_outstanding_batches + 1) * sum(w.max_batch for w in workers)
 
     def ended(self, model: str, priority: Priority) -> None:
         """A call of ``model`` in class ``priority`` is through admission, whatever came of it."""

@@ -15,7 +15,9 @@ to arrive and be let in (the door bounds a call's wait for its turn at admission
 judged as good queue; a steady overload becomes standing after one interval and sheds at arrival from then on,
 until its line empties. (:meth:`tasks.gateway.admission_queue.AdmissionQueue.cap_for` applies it.)
 
-Lines are kept per key (a model and class), at most ``max_keys``, the least lately seen dropped first.
+Lines are kept per key (a model and class), at most ``max_keys``, the least lately seen dropped first. With
+another threshold (what :meth:`StandingQueue.observe` is given as ``queued``) it tells how long a line has been
+deeper than that (:meth:`StandingQueue.full_for`): admission's margin for the batches running depends on it.
 """
 from __future__ import annotations
 
@@ -48,6 +50,11 @@ class StandingQueue:
         """Whether the line of ``key`` has not emptied for ``interval_s`` (0: never standing)."""
         since = self._busy_since.get(key)
         return self.interval_s > 0 and since is not None and self.clock() - since >= self.interval_s
+
+    def full_for(self, key: Hashable) -> float:
+        """Seconds the line of ``key`` has held more than one batch per worker (0.0: it has not, or was not seen)."""
+        since = self._busy_since.get(key)
+        return 0.0 if since is None else max(0.0, self.clock() - since)
 
     def keep_only(self, keep: Callable[[Hashable], bool]) -> None:
         """Drop the lines whose key ``keep`` refuses (their model is no longer served)."""
