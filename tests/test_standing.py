@@ -54,14 +54,14 @@ def test_lines_are_bounded_and_dropped_with_their_model() -> None:
 
 
 def test_how_long_a_line_has_been_deeper_than_its_threshold() -> None:
-    """full_for: what admission's margin for the batches running reads (tasks.policy.capacity.full_batches_margin)."""
+    """busy_for: what admission's margin for the batches running reads (tasks.policy.capacity.full_batches_margin)."""
     clock = FakeClock()
     lines = StandingQueue(interval_s=0.0, target_s=0.0, clock=clock)
-    assert lines.full_for("sim") == 0.0  # never seen
+    assert lines.busy_for("sim") == 0.0  # never seen
     lines.observe("sim", 5)
     clock.advance(0.3)
     lines.observe("sim", 900)  # still deeper: the clock runs from the first look that saw it so
     clock.advance(0.2)
-    assert lines.full_for("sim") == 0.5
+    assert lines.busy_for("sim") == 0.5
     lines.observe("sim", 0)  # back within it: from zero again
-    assert lines.full_for("sim") == 0.0
+    assert lines.busy_for("sim") == 0.0

@@ -75,7 +75,7 @@ class AdmissionQueue:
             workers = [w for w in live_workers(self.workers) if w.model == model]
         admission = self.settings.admission
         if deep_for_s is None:
-            deep_for_s = self.deep.full_for(model)
+            deep_for_s = self.deep.busy_for(model)
         margin = full_batches_margin(workers, deep_for_s, self.settings.worker.max_outstanding_batches)
         cap = deadline_cap(workers, timeout_s, admission.cap, admission.queue_share, margin)
         if workers and self.standing.standing(model):  # a standing line keeps the margin (and the target, if set)
@@ -158,7 +158,7 @@ class AdmissionQueue:
             return too_slow(waited_s + turn_s, max(1, math.ceil(turn_s)))
         at_turn = left_after(ahead, workers, turn_s)  # the fleet works through the queue meanwhile
         # a line deeper than the workers take until the call's turn has run full batches by then
-        deep_for_s = self.deep.full_for(model) + turn_s if at_turn > self._taken(workers) else 0.0
+        deep_for_s = self.deep.busy_for(model) + turn_s if at_turn > self._taken(workers) else 0.0
         if at_turn + 1 > self.cap_for(model, timeout_s - turn_s, workers, deep_for_s):
             return admission_refusal(AdmissionVerdict.FULL, None, int(ahead), model=model, tenant="", tenant_cap=None,
                                      hashes=(), workers=workers, admission_cap=self.settings.admission.cap,

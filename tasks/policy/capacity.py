@@ -72,8 +72,8 @@ def full_batches_margin(workers: Sequence[WorkerInfo], deep_for_s: float, outsta
     16 items before its full ones).
 
     The second batch time is what a burst lost at its end: with two, the last of 3,000 calls admitted were answered
-    0.54 s before their deadlines and the device went idle with callers still in time; with one, 1,574-1,672 of
-    them were answered instead of 1,457-1,509, none late."""
+    0.54 s before their deadlines and the device went idle with callers still in time (the figures with one are
+    in docs/benchmarks.md)."""
     if workers and deep_for_s >= max(1, outstanding) * slowest_batch_s(workers):
         return 1.0
     return 2.0

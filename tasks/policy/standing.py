@@ -17,7 +17,7 @@ until its line empties. (:meth:`tasks.gateway.admission_queue.AdmissionQueue.cap
 
 Lines are kept per key (a model and class), at most ``max_keys``, the least lately seen dropped first. With
 another threshold (what :meth:`StandingQueue.observe` is given as ``queued``) it tells how long a line has been
-deeper than that (:meth:`StandingQueue.full_for`): admission's margin for the batches running depends on it.
+deeper than that (:meth:`StandingQueue.busy_for`): admission's margin for the batches running depends on it.
 """
 from __future__ import annotations
 
@@ -51,8 +51,9 @@ class StandingQueue:
         since = self._busy_since.get(key)
         return self.interval_s > 0 and since is not None and self.clock() - since >= self.interval_s
 
-    def full_for(self, key: Hashable) -> float:
-        """Seconds the line of ``key`` has held more than one batch per worker (0.0: it has not, or was not seen)."""
+    def busy_for(self, key: Hashable) -> float:
+        """Seconds the line of ``key`` has been past the caller's threshold (``queued`` > 0 at every look since;
+        0.0: it is not, or was not seen)."""
         since = self._busy_since.get(key)
         return 0.0 if since is None else max(0.0, self.clock() - since)
 
