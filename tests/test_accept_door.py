@@ -21,8 +21,9 @@ from tasks.store.tenants import KeyStore
 from webapp import accept_door
 from webapp.accept_door import AcceptDoor, QueueShedding
 from webapp.app import is_inference
+from webapp.connections import AtDoor
 from webapp.peek import Peeked
-from webapp.worker import Arrivals, AtDoor
+from webapp.worker import Arrivals
 
 
 class Gate:
@@ -267,7 +268,7 @@ def test_an_arriving_call_is_placed_in_its_line_and_refused_from_its_bytes_beyon
     for _ in range(50):
         accept.door.callers.arrived("flood")
     _, light = connection(request({"input": "hello"}, tenant="steady"))
-    assert accept(light, arriving=True) is AtDoor.USUAL  # a light caller is not held to the flood's line
+    assert accept(light, arriving=True) is AtDoor.LIGHT  # a light caller is not held to the flood's line
     _, not_json = connection(b"POST /v1/infer HTTP/1.1\r\nHost: api\r\nContent-Length: 8\r\n\r\nnot json")
     assert accept(not_json, arriving=True) is AtDoor.USUAL  # its 400 comes the usual way
     assert len(verdicts.placed) == placed + 1  # the offline call was placed; the others never were

@@ -353,7 +353,7 @@ def test_a_line_sent_again_never_runs_a_sending_killed_between_its_publish_and_i
                         database_url=f"sqlite:///{tmp_path / 'llmb.db'}", result_recheck_ms=100,
                         jobs_line_timeout_ms=20_000)
     Base.metadata.create_all(make_engine(settings.stores.database_url))
-    services = Services.from_settings(settings)
+    services = Services.from_settings(settings, door=False)  # as llmb-jobs builds them
     device = Device(ResultWriter.from_settings(settings, services.client))
     monkeypatch.setattr(services.publisher, "publish", device.publish)
     now = services.clock()

@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
 from tasks.errors import Overloaded
 from tasks.gateway.gate import Gate
+from tasks.policy.callers import RecentCallers
 from tasks.policy.shedding import Door
 from tests.fakes import FakeClock
 from webapp.errors import status_of
@@ -121,3 +123,31 @@ def test_a_flood_of_calls_refused_or_through_leaves_nothing_in_the_gate() -> Non
         with gate.passage():
             clock.advance(0.0001)
     assert gate.waiting == 0 and gate._since == {}
+
+
+def test_a_gate_reading_the_doors_count_tells_a_light_tenant_by_every_arrival() -> None:
+    """The door counts every arrival, the flood's it refuses among them; a gate counting for itself sees only the
+    calls that reach it. Before: the gate kept its own count, so beside a flood the door turned away the steady
+    tenant looked heavy there and waited for a slot (up to 0.19 s a call, measured) while the door judged it
+    light. The process's door is built on the gate's count (``door_from_settings``), which it then keeps."""
+    from tasks.config import Settings
+    from webapp.door import door_from_settings
+
+    counted = Gate(slots=1, max_wait_s=0.05, callers=RecentCallers(time.monotonic))
+    door = door_from_settings(Settings.of(), counted)
+    assert door.callers is counted.callers
+    alone = Gate(slots=1, max_wait_s=0.05)
+    for gate in (counted, alone):
+        for _ in range(10):
+            with gate.passage("steady"):  # the steady tenant's calls of the last seconds
+                door.callers.arrived("steady") if gate is counted else None
+    for _ in range(200):
+        door.callers.arrived("flood")  # arrivals the door refused: they never reach a gate
+    for gate in (counted, alone):
+        with gate.passage():  # a call holds the only slot
+            if gate is counted:
+                with gate.passage("steady") as turn:  # light by the door's count: passes at once
+                    assert turn is not None and gate.waiting == 0
+            else:
+                with pytest.raises(Overloaded), gate.passage("steady"):  # by its own count it is the heavy one
+                    pass

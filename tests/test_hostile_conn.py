@@ -30,7 +30,7 @@ from tasks.state.journal import Journal
 from tasks.state.keys import Keys
 from tasks.state.records import Record, Shape
 from tasks.state.results import ResultListener
-from webapp.connections import NextRequest
+from webapp.connections import AtDoor, NextRequest
 from webapp.intake import Intake
 from webapp.worker import send_all
 
@@ -60,9 +60,9 @@ class _Door:
     def __init__(self) -> None:
         self.saw: list[bytes] = []
 
-    def __call__(self, sock: socket.socket, waited_s: float | None, arriving: bool) -> bool:
+    def __call__(self, sock: socket.socket, waited_s: float | None, arriving: bool) -> AtDoor:
         self.saw.append(sock.recv(65536))
-        return True
+        return AtDoor.REFUSED
 
 
 def _next_request(held: bytes, kernel: bytes) -> tuple[_Door, bool]:
@@ -120,10 +120,10 @@ def test_a_refusal_with_requests_pipelined_behind_it_closes_without_a_reset() ->
     c, d = _post("c", {"inputs": ["c"]}), _post("d", {"inputs": ["d"]})
     answer = b"HTTP/1.1 429 Too Many Requests\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
 
-    def door(sock: socket.socket, waited_s: float | None, arriving: bool) -> bool:
+    def door(sock: socket.socket, waited_s: float | None, arriving: bool) -> AtDoor:
         sock.recv(len(c))  # as the door at accept does: the refused request, all there
         sock.sendall(answer)
-        return True
+        return AtDoor.REFUSED
 
     listener = socket.create_server(("127.0.0.1", 0))
     with listener, socket.create_connection(listener.getsockname()) as client:

@@ -2,8 +2,14 @@
 while idle."""
 from __future__ import annotations
 
-import gevent
+import io
+import socket
+from types import SimpleNamespace
 
+import gevent
+import pytest
+
+from webapp.connections import AtDoor, NextRequest
 from webapp.intake import Intake
 
 
@@ -73,4 +79,85 @@ def test_a_request_refused_at_its_turn_gives_its_token_back() -> None:
     wait_until(lambda: len(started) == 4, timeout_s=0.4)  # all within the first tick
     gevent.joinall(greenlets, timeout=5)
     intake.give_back()
-    assert intake._tokens.counter <= intake.per_tick  # never more tokens than a tick holds
+    assert intake._tokens <= intake.per_tick  # never more tokens than a tick holds
+
+
+def test_callers_waiting_are_served_in_turn_each_in_arrival_order() -> None:
+    """A flood's line does not hold up another tenant's request that joins it: the callers waiting take the
+    tokens in turn. Before: one line, first come first served, and a steady tenant's call that arrived as a
+    flood began waited out the flood's line (up to a second, measured)."""
+    intake = Intake(per_tick=2, tick_s=0.2)
+    started: list[str] = []
+
+    def request(caller: str) -> None:
+        intake.take(lambda: caller)
+        started.append(caller)
+
+    greenlets = [gevent.spawn(request, "flood") for _ in range(8)]  # two take the tick's tokens, six wait
+    wait_until(lambda: intake.waiting == 6)
+    greenlets += [gevent.spawn(request, "steady") for _ in range(2)]  # behind six of the flood's
+    wait_until(lambda: intake.waiting == 8)
+    wait_until(lambda: len(started) == 4)  # the next tick: one each
+    assert started == ["flood", "flood", "flood", "steady"]
+    wait_until(lambda: len(started) == 6)
+    assert started[4:] == ["flood", "steady"]  # each caller's own in arrival order
+    gevent.joinall(greenlets, timeout=5)
+    assert started.count("flood") == 8 and intake.waiting == 0 and not intake._lines
+
+
+def test_a_flood_of_caller_names_keeps_no_more_lines_than_requests_waiting() -> None:
+    """The lines are keyed by what callers send (an X-Tenant without keys): one per caller with a request
+    waiting, gone once it is served, however many names come."""
+    intake = Intake(per_tick=50, tick_s=0.01)
+    for _ in range(50):
+        intake.take()  # the tick's tokens: the rest wait
+    greenlets = [gevent.spawn(intake.take, lambda i=i: f"name-{i}") for i in range(2000)]
+    wait_until(lambda: intake.waiting > 0)
+    assert len(intake._lines) <= intake.waiting
+    gevent.joinall(greenlets, timeout=10)
+    assert intake.waiting == 0 and not intake._lines and not intake._since
+
+
+def test_a_request_killed_while_waiting_leaves_no_line_and_no_token_behind() -> None:
+    intake = Intake(per_tick=1, tick_s=60.0)
+    assert intake.take() is None
+    waiting = gevent.spawn(intake.take, lambda: "gone")
+    wait_until(lambda: intake.waiting == 1)
+    waiting.kill()
+    assert intake.waiting == 0 and not intake._lines
+
+
+class _Parser:
+    """gunicorn's parser as NextRequest sees it: the previous body read, nothing read ahead."""
+
+    unreader = SimpleNamespace(buf=io.BytesIO())
+
+    def finish_body(self, deadline: float) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("judged", [AtDoor.LIGHT, AtDoor.USUAL, AtDoor.IN_LINE])
+def test_a_light_callers_request_is_taken_in_at_once_while_the_others_wait_their_turn(judged: AtDoor) -> None:
+    """Beside a flood's line at intake, a request the door judged a light caller's on arrival starts at once;
+    any other waits for a token (here, none comes back for a minute)."""
+    intake = Intake(per_tick=1, tick_s=60.0)
+    assert intake.take() is None  # the tick's one token: the next request waits for the next tick
+    server, client = socket.socketpair()
+    with server, client:
+        client.sendall(b"POST /v1/infer HTTP/1.1\r\n")
+        asked: list[bool] = []
+
+        def door(sock: socket.socket, waited_s: float | None, arriving: bool) -> AtDoor:
+            asked.append(arriving)
+            return judged
+
+        wait = NextRequest(server, _Parser(), 1.0, 1.0, 1.0, lambda at: None, intake=intake, refuse=door)
+        entered = gevent.spawn(wait.__enter__)
+        wait_until(lambda: asked and (entered.dead or intake.waiting == 1))
+        if judged is AtDoor.LIGHT:
+            assert entered.dead and entered.value is wait and intake.waiting == 0
+            wait.__exit__(None, None, None)
+        else:
+            assert not entered.dead  # in line for the next tick's token
+            entered.kill()
+        assert asked == [True]  # judged once, on arrival

@@ -31,9 +31,9 @@ def join_all(rounds: Rounds[int, int], pool: ThreadPoolExecutor, entries: range)
     before the next is sent (threads started together take their seats in whatever order they run)."""
     futures = []
     for e in entries:
-        seated = len(rounds._waiting) + 1
+        seated = len(rounds) + 1
         futures.append(pool.submit(rounds.join, e))
-        wait_for(lambda seated=seated: len(rounds._waiting) == seated, 5, f"call {e} seated")
+        wait_for(lambda seated=seated: len(rounds) == seated, 5, f"call {e} seated")
     return futures
 
 
@@ -44,7 +44,7 @@ def test_calls_arriving_during_a_round_go_together_in_the_next_each_with_its_own
         first = pool.submit(rounds.join, 0)
         assert door.started.acquire(timeout=5)  # a lone call goes at once, in a round of its own
         later = join_all(rounds, pool, range(1, 7))
-        wait_for(lambda: len(rounds._waiting) == 6, 5, "six calls waiting for the round in flight")
+        wait_for(lambda: len(rounds) == 6, 5, "six calls waiting for the round in flight")
         for _ in range(3):
             door.release.release()
         assert first.result(timeout=5) == 0
@@ -56,7 +56,26 @@ def test_calls_arriving_during_a_round_go_together_in_the_next_each_with_its_own
             else:
                 assert future.result(timeout=5) == entry * 10
     assert door.carried == [[0], [1, 2, 3, 4], [5, 6]]  # at most max_size a round, in arrival order
-    assert not rounds._busy and not rounds._waiting
+    assert not rounds._busy and not len(rounds)
+
+
+def test_entries_picked_first_go_ahead_of_the_others_waiting_in_arrival_order() -> None:
+    """A light tenant's calls (``first``) take the next round's first seats, ahead of a flood's calls that
+    arrived before them; the others keep their order behind."""
+    door = Door()
+    rounds: Rounds[int, int] = Rounds(door.run, max_size=3, abandoned=lambda: RuntimeError("abandoned"),
+                                      first=lambda entry: entry >= 100)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        first = pool.submit(rounds.join, 0)
+        assert door.started.acquire(timeout=5)
+        later = join_all(rounds, pool, range(2, 8, 2))
+        light = join_all(rounds, pool, range(100, 104, 2))
+        for _ in range(3):
+            door.release.release()
+        assert first.result(timeout=5) == 0
+        assert [f.result(timeout=5) for f in later + light] == [20, 40, 60, 1000, 1020]
+    assert door.carried == [[0], [100, 102, 2], [4, 6]]
+    assert not rounds._busy and not len(rounds)
 
 
 def test_a_round_that_raises_fails_its_calls_and_the_next_round_still_runs() -> None:
@@ -102,9 +121,9 @@ def test_an_interrupted_leader_leaves_the_others_of_its_round_an_error_and_hands
         in_flight = pool.submit(rounds.join, 9)
         assert in_first.wait(5)
         leader = pool.submit(join_interrupted, 0)  # the first waiting: it leads the next round
-        wait_for(lambda: len(rounds._waiting) == 1, 5, "0 waiting for the round in flight")
+        wait_for(lambda: len(rounds) == 1, 5, "0 waiting for the round in flight")
         follower = pool.submit(rounds.join, 1)
-        wait_for(lambda: len(rounds._waiting) == 2, 5, "1 waiting behind it")
+        wait_for(lambda: len(rounds) == 2, 5, "1 waiting behind it")
         first_round.set()
         assert in_flight.result(timeout=5) == 9
         leader.result(timeout=5)

@@ -17,11 +17,11 @@ from tasks.policy import strict_json
 from tasks.policy.room import Placed
 from tasks.policy.shedding import Door
 from tasks.schema import Priority
+from webapp.connections import AtDoor
 from webapp.door import NAME_MAX, DoorIdentity, refusal
 from webapp.errors import status_of
 from webapp.peek import Peeked, partly_arrived, peek_request, tenant_of
 from webapp.validation import asks_offline, bearer_token, named_tenant, priority_class, timeout_limit_ms
-from webapp.worker import AtDoor
 
 if TYPE_CHECKING:
     from tasks.gateway.admission_queue import AdmissionQueue
@@ -64,7 +64,7 @@ class AcceptDoor:
 
         ``arriving``: its bytes have just come (it arrived at ``arrived_at``, where its deadline starts; None:
         now), and it is judged by its place in its model's admission queue (:class:`QueueShedding`): IN_LINE when
-        that let it in.
+        that let it in; LIGHT when it is a light caller's (not held to the line: taken in at once).
         ``in_line``: such a request at its intake turn, ``delay`` after its arrival: only lateness refuses it then
         (its line was judged when it arrived; the expected wait at the gate would judge it twice). The door in
         front of Flask (:class:`webapp.door.DoorMiddleware`) still judges it by that wait."""
@@ -77,20 +77,20 @@ class AcceptDoor:
         request = _arrived_whole(sock, BODY_WAIT_TRIES if patient else 0) if judging else peek_request(sock)
         if request is None or not self.is_inference(request.path):
             return AtDoor.USUAL
-        caller = self.identity(request.headers.get("authorization"), request.headers.get("x-tenant"))
-        if not caller and self.identity.in_body:
-            caller = tenant_of(request.body)[:NAME_MAX]
+        caller = self._caller_of(request)
         if judging:  # every arrival counts towards who sends what (its entry at the door counts it again)
             self.door.callers.arrived(caller)
         # a light caller is held neither to a flood's FULL verdict nor to its line (the gateway lets it past: it
-        # is served fairly)
-        call = None if self.shedding is None or self.door.callers.light(caller) else self.shedding.judged(request)
+        # is served fairly), nor on arrival to the line at intake; nor is a caller the door cannot name (as at the
+        # gate)
+        light = bool(caller) and self.door.callers.light(caller)
+        call = None if self.shedding is None or light else self.shedding.judged(request)
         error: QueueFull | None = None if call is None else self.shedding.held(call)  # type: ignore[union-attr]
         if error is None and behind:
             error = self.door.refusal_at_accept(caller, delay)
         elif error is not None and not judging:
             self.door.callers.arrived(caller)  # counted as if it had entered, as the gateway's refusal would be
-        outcome = AtDoor.USUAL
+        outcome = AtDoor.LIGHT if judging and light else AtDoor.USUAL
         if error is None and judging and call is not None:
             placed = self.shedding.place(call, arrived_at)  # type: ignore[union-attr]
             if isinstance(placed, QueueFull):  # Overloaded among them
@@ -108,6 +108,18 @@ class AcceptDoor:
         except OSError:
             pass  # the caller is gone, or the response did not fit at once: it is closed all the same
         return AtDoor.REFUSED
+
+    def caller(self, sock: socket.socket) -> str:
+        """Who sends the request arriving on ``sock``, as the door counts callers ("" when it cannot tell from the
+        bytes arrived): its line at intake (:class:`webapp.intake.Intake`)."""
+        request = peek_request(sock)
+        return "" if request is None else self._caller_of(request)
+
+    def _caller_of(self, request: Peeked) -> str:
+        caller = self.identity(request.headers.get("authorization"), request.headers.get("x-tenant"))
+        if not caller and self.identity.in_body:
+            caller = tenant_of(request.body)[:NAME_MAX]
+        return caller
 
 
 def _arrived_whole(sock: socket.socket, tries: int) -> Peeked | None:

@@ -31,6 +31,7 @@ import socket
 import struct
 import time
 from collections.abc import Callable
+from enum import Enum
 from typing import Any
 
 import gevent
@@ -51,6 +52,18 @@ LINGER_BYTES = 1 << 20  # ... and at most this much of it
 # gunicorn's own refusals (its parser's), as the JSON types of our error table
 GUNICORN_TYPES = {400: "invalid_request", 403: "forbidden", 414: "uri_too_long", 417: "expectation_failed",
                   431: "headers_too_large", 501: "not_implemented"}
+
+
+class AtDoor(Enum):
+    """What the door at accept did with a request (true only when it answered it)."""
+
+    USUAL = "usual"  # nothing: the request goes the usual way (gunicorn, the door middleware, Flask)
+    REFUSED = "refused"  # answered from its bytes; the connection is closed
+    IN_LINE = "in_line"  # let in by its place in its model's line: at its turn only lateness refuses it
+    LIGHT = "light"  # a light caller's, on arrival: taken in at once, not behind the line at intake
+
+    def __bool__(self) -> bool:
+        return self is AtDoor.REFUSED
 
 
 class HeaderTimeout(Exception):
@@ -166,10 +179,12 @@ class NextRequest:
 
     def __init__(self, sock: socket.socket, parser: Any, idle_s: float, header_s: float, body_s: float,
                  arrived: Callable[[float], None], first: bool = False, intake: Intake | None = None,
-                 refuse: Callable[[socket.socket, float | None, bool], bool] | None = None) -> None:
+                 refuse: Callable[[socket.socket, float | None, bool], AtDoor] | None = None,
+                 caller: Callable[[socket.socket], str] = lambda sock: "") -> None:
         self.sock = sock
         self.intake = intake
-        self.refuse = refuse  # the door refusing from the bytes (webapp.accept_door.AcceptDoor): True if it answered
+        self.refuse = refuse  # the door judging from the bytes (webapp.accept_door.AcceptDoor): true if it answered
+        self.caller = caller  # who sends the request on a socket, as the door counts callers (its line at intake)
         self.first = first
         self.parser = parser  # gunicorn's RequestParser of the connection
         self.body_s = body_s
@@ -198,9 +213,11 @@ class NextRequest:
         if self.intake is not None:
             # a request that would wait too long, or that its model's line cannot answer in time, is refused now,
             # from its bytes, not after its turn and a full parse; the others are taken in at the process's pace,
-            # in arrival order
-            self._refuse_if_behind(None)
-            waited = self.intake.take()
+            # each caller's in arrival order, the callers in turn, and a light caller's at once: beside a flood's
+            # line its call would otherwise wait out the flood's turns (up to a second, measured), and light
+            # callers are few by definition
+            light = self._refuse_if_behind(None) is AtDoor.LIGHT
+            waited = None if light else self.intake.take(lambda: "" if self.held else self.caller(self.sock))
             if waited is not None:
                 try:  # it waited in line: its turn may have come later than the door allows
                     self._refuse_if_behind(waited)
@@ -211,14 +228,18 @@ class NextRequest:
         self.timer.start()
         return self
 
-    def _refuse_if_behind(self, waited_s: float | None) -> None:
+    def _refuse_if_behind(self, waited_s: float | None) -> AtDoor:
         """Let the door refuse the request from its bytes: as it arrives (None: by its place in its model's line,
-        and by the line ahead of it in this process), or by the time it waited for its turn. Not a request the parser
-        holds (:attr:`held`): the socket's bytes are not its own."""
-        if self.refuse is not None and not self.held and self.refuse(self.sock, waited_s, waited_s is None):
+        and by the line ahead of it in this process), or by the time it waited for its turn; what it did. Not a
+        request the parser holds (:attr:`held`): the socket's bytes are not its own."""
+        if self.refuse is None or self.held:
+            return AtDoor.USUAL
+        outcome = self.refuse(self.sock, waited_s, waited_s is None)
+        if outcome:
             if unread(self.sock):  # pipelined requests behind it: closing now would reset the connection
                 linger_close(self.sock)
             raise StopIteration("refused from its bytes")
+        return outcome
 
     def _buffered(self) -> int:
         """Bytes of the next request the parser has already read ahead (a pipelined request: no wait)."""

@@ -72,9 +72,10 @@ def process_share(settings: Settings) -> int:
 def door_from_settings(settings: Settings, gate: Gate | None = None,
                        backlog: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> Door:
     """The process's door: its share of the caps, its delay bound, its gate and the server's backlog
-    (:meth:`webapp.worker.Arrivals.backlog`)."""
+    (:meth:`webapp.worker.Arrivals.backlog`). It counts who sends what in the gate's count of callers, so
+    that the gate, the admission rounds and the caps tell a light tenant by every arrival."""
     return Door(process_share(settings), settings.admission.retry_after_s, settings.admission.door_max_delay_s,
-                gate=gate, backlog=backlog)
+                gate=gate, backlog=backlog, callers=None if gate is None else gate.callers)
 
 
 class DoorMiddleware:

@@ -10,50 +10,76 @@ the callers' deadlines ran.
 
 Here a request takes a token before its intake. Tokens come back ``per_tick`` at a time every ``tick_s``, so
 the loop gets back to its sockets at least once a tick whatever the backlog, and requests are taken in in the
-order they arrived (the semaphore's waiters are served first come, first served). The rate is well above what
-a process can take in anyway (1,600 a second by default), so when the process is not behind nobody waits; when
-it is, the wait counts towards the door's delay (:class:`webapp.door.Door`): a request that would wait longer
-than the door allows (the line ahead of it at the rate measured while behind) is refused from its bytes when
-it arrives, without a parse, and so is one whose turn came too late.
+order they arrived, each caller's in turn (a tenant's request does not wait behind another's line). The rate
+is well above what a process can take in anyway (1,600 a second by default), so when the process is not behind
+nobody waits; when it is, the wait counts towards the door's delay (:class:`webapp.door.Door`): a request that
+would wait longer than the door allows (the line ahead of it at the rate measured while behind) is refused from
+its bytes when it arrives, without a parse, and so is one whose turn came too late.
 """
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Callable
 
 import gevent
-from gevent.lock import Semaphore
+from gevent.event import Event
 
 PER_TICK = 16
 TICK_S = 0.01
 RATE_WEIGHT = 0.3  # each tick spent behind moves the measured intake rate this much
 
 
+class _Waiting:
+    """A request waiting for its token."""
+
+    __slots__ = ("granted", "since", "woken")
+
+    def __init__(self, since: float) -> None:
+        self.since = since
+        self.woken = Event()
+        self.granted = False
+
+
 class Intake:
     """A token bucket of ``per_tick`` tokens, refilled every ``tick_s`` while any were taken (no timer runs
-    while the process is idle). For greenlets of one gevent hub."""
+    while the process is idle). For greenlets of one gevent hub.
+
+    The requests waiting for a token are served by caller in turn (round robin), each caller's in the order they
+    arrived: a tenant's call does not wait behind another tenant's line. Beside a flood's line at intake, a
+    steady tenant's call used to wait out the whole line (up to a second, measured) in the moment the flood
+    began, before the door counted it as light. One line per caller with requests waiting: the table is no
+    larger than the requests waiting, and the door bounds those (it refuses a request whose wait here would pass
+    ``LLMB_DOOR_MAX_DELAY_MS``)."""
 
     def __init__(self, per_tick: int = PER_TICK, tick_s: float = TICK_S) -> None:
         self.per_tick = per_tick
         self.tick_s = tick_s
-        self._tokens = Semaphore(per_tick)
+        self._tokens = per_tick
+        self._lines: OrderedDict[str, deque[_Waiting]] = OrderedDict()  # callers with requests waiting, in turn
+        self._since: OrderedDict[_Waiting, float] = OrderedDict()  # every request waiting, oldest first
         self._refilling = False
-        self._since: OrderedDict[object, float] = OrderedDict()  # when each waiting request began to wait
         self.rate = per_tick / tick_s  # requests a second taken in while behind (measured; at first the bound)
         self._refilled_at = 0.0
 
-    def take(self) -> float | None:
-        """Wait for a token (at once unless ``per_tick`` requests started in this tick already); how long it
-        waited in line, None when it did not."""
+    def take(self, caller: Callable[[], str] = lambda: "") -> float | None:
+        """Wait for a token (at once unless ``per_tick`` requests started in this tick already, or others wait);
+        how long it waited in line, None when it did not. ``caller``: who sends the request (asked only when it
+        must wait)."""
         waited = None
-        if self._since or not self._tokens.acquire(blocking=False):  # behind others: in line after them
-            ticket, began = object(), time.monotonic()
-            self._since[ticket] = began
+        if self._since or self._tokens <= 0:  # behind others: in its caller's line
+            began = time.monotonic()
+            waiting = _Waiting(began)
+            self._lines.setdefault(caller(), deque()).append(waiting)
+            self._since[waiting] = began
             try:
-                self._tokens.acquire()
-            finally:
-                del self._since[ticket]
+                waiting.woken.wait()
+            except BaseException:  # killed while waiting: out of line, its token (if it had one) to the next
+                self._leave(waiting)
+                raise
             waited = time.monotonic() - began
+        else:
+            self._tokens -= 1
         if not self._refilling:
             self._refilling, self._refilled_at = True, time.monotonic()
             gevent.spawn_later(self.tick_s, self._refill)
@@ -62,8 +88,9 @@ class Intake:
     def give_back(self) -> None:
         """Return the token of a request refused at its turn (a few header lookups and one write): the next in
         line need not wait a tick for it."""
-        if self._tokens.counter < self.per_tick:
-            self._tokens.release()
+        if self._tokens < self.per_tick:
+            self._tokens += 1
+            self._hand_out()
 
     @property
     def waiting(self) -> int:
@@ -72,23 +99,49 @@ class Intake:
 
     def expected_wait_s(self) -> float:
         """How long a request arriving now would wait for its turn: those in line at the measured rate, or the
-        time the first in line has waited so far, whichever is longer (0 when none waits)."""
+        time the first in line has waited so far, whichever is longer (0 when none waits). (A caller with no
+        line of its own is served sooner: this is the door's bound for a heavy one.)"""
         oldest = next(iter(self._since.values()), None)
         if oldest is None:
             return 0.0
         return max(len(self._since) / self.rate, time.monotonic() - oldest)
 
+    def _hand_out(self) -> None:
+        """Tokens to the callers waiting, one each in turn, while any are left."""
+        while self._tokens > 0 and self._lines:
+            caller, line = next(iter(self._lines.items()))
+            waiting = line.popleft()
+            if line:
+                self._lines.move_to_end(caller)
+            else:
+                del self._lines[caller]
+            del self._since[waiting]
+            self._tokens -= 1
+            waiting.granted = True
+            waiting.woken.set()
+
+    def _leave(self, waiting: _Waiting) -> None:
+        if waiting.granted:
+            self.give_back()
+            return
+        self._since.pop(waiting, None)
+        for caller, line in self._lines.items():
+            if waiting in line:
+                line.remove(waiting)
+                if not line:
+                    del self._lines[caller]
+                return
+
     def _refill(self) -> None:
         now = time.monotonic()
-        missing = self.per_tick - self._tokens.counter
+        missing = self.per_tick - self._tokens
         if self._since and missing == self.per_tick and now > self._refilled_at:  # a tick spent behind
             sample = missing / (now - self._refilled_at)
             self.rate += RATE_WEIGHT * (sample - self.rate)
         self._refilled_at = now
-        for _ in range(missing):
-            self._tokens.release()
+        self._tokens = self.per_tick
+        self._hand_out()
         if missing:
             gevent.spawn_later(self.tick_s, self._refill)
         else:
             self._refilling = False
-

@@ -119,7 +119,7 @@ class LineRunner:
 
 def build(settings: Settings) -> Feeder:
     """The feeder of one llmb-jobs process, over the same services an API process builds."""
-    services = Services.from_settings(settings)
+    services = Services.from_settings(settings, door=False)
     return Feeder(JobStore.from_settings(settings, services.keys.engine),
                   FileStore.from_settings(settings, services.keys.engine, services.clock),
                   LineRunner(services), settings,

@@ -19,6 +19,7 @@ from tasks.gateway.gate import Gate
 from tasks.gateway.gateway import Gateway
 from tasks.gateway.links import redis_client
 from tasks.gateway.parts import GatewayParts
+from tasks.policy.callers import RecentCallers
 from tasks.policy.shedding import Door
 from tasks.state.admission import Admission
 from tasks.state.clock import SharedClock
@@ -66,7 +67,9 @@ class Services:
     metrics: CollectorRegistry
 
     @classmethod
-    def from_settings(cls, settings: Settings) -> Services:
+    def from_settings(cls, settings: Settings, *, door: bool = True) -> Services:
+        """``door``: the process's calls come through its door, which counts their callers for the gate (an API
+        process); False: they come otherwise (llmb-jobs), and the gate counts them as they pass."""
         client = redis_client(settings)
         instance_id = uuid.uuid4().hex
         names = Keys.from_settings(settings)
@@ -81,8 +84,10 @@ class Services:
         requests = Requests.from_settings(settings, client, status_of)
         journal = Journal(client, names, settings.stores.result_ttl_s)
         parts = GatewayParts(instance_id, client, clock, admission, requests, workers, listener, journal, publisher)
-        gate = Gate(settings.admission.admit_concurrency,
-                    settings.admission.door_max_delay_s) if settings.admission.admit_concurrency else None
+        gate = None
+        if settings.admission.admit_concurrency:  # the door counts who sends what for it, or it counts them itself
+            gate = Gate(settings.admission.admit_concurrency, settings.admission.door_max_delay_s,
+                        callers=RecentCallers(time.monotonic) if door else None)
         queue = AdmissionQueue(settings, workers, gate)
         keys = KeyStore.from_settings(settings)
         adapter_store = AdapterStore.from_settings(settings, keys.engine)  # one pool for both tables

@@ -35,8 +35,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from enum import Enum
-from typing import Any
+from typing import Any, Protocol
 
 import gevent
 import gunicorn.http as http
@@ -50,6 +49,7 @@ from gunicorn.workers.ggevent import GeventWorker
 
 from tasks.config import Settings
 from webapp import connections
+from webapp.connections import AtDoor
 from webapp.intake import Intake
 
 _connection = local()  # per greenlet (gevent's own: this module loads in gunicorn's master, before patching)
@@ -59,15 +59,13 @@ ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
 CLOSING_STATUSES = frozenset({408, 413, 507})
 
 
-class AtDoor(Enum):
-    """What the door at accept did with a request (true only when it answered it)."""
+class DoorAtAccept(Protocol):
+    """What judges a request from its bytes (:class:`webapp.accept_door.AcceptDoor`)."""
 
-    USUAL = "usual"  # nothing: the request goes the usual way (gunicorn, the door middleware, Flask)
-    REFUSED = "refused"  # answered from its bytes; the connection is closed
-    IN_LINE = "in_line"  # let in by its place in its model's line: at its turn only lateness refuses it
+    def __call__(self, sock: Any, delay: float | None = None, *, arriving: bool = False,
+                 arrived_at: float | None = None, in_line: bool = False) -> AtDoor: ...
 
-    def __bool__(self) -> bool:
-        return self is AtDoor.REFUSED
+    def caller(self, sock: Any) -> str: ...
 
 
 ARRIVALS = "llmb.arrivals"  # the key of the app's Arrivals in app.extensions, where its worker finds them
@@ -76,7 +74,7 @@ ARRIVALS = "llmb.arrivals"  # the key of the app's Arrivals in app.extensions, w
 class Arrivals:
     """One API process's requests before it gets to them, shared by its app and its worker: the app's door judges
     by the backlog (:meth:`backlog`), and the app sets what may refuse a request from its bytes (``at_accept``);
-    the worker keeps the backlog (``unstarted``, ``intake``) and asks ``at_accept`` (:meth:`refused`).
+    the worker keeps the backlog (``unstarted``, ``intake``) and asks ``at_accept`` (:meth:`judged`).
 
     ``at_accept`` (the app's :class:`webapp.accept_door.AcceptDoor`) judges a request on a just-accepted
     connection before a greenlet is spawned for it, as its bytes arrive (by the process's backlog and its model's
@@ -84,7 +82,7 @@ class Arrivals:
     turn (``in_line``: let in by its queue on arrival)."""
 
     def __init__(self) -> None:
-        self.at_accept: Callable[..., AtDoor] | None = None
+        self.at_accept: DoorAtAccept | None = None
         self.unstarted: OrderedDict[object, float] = OrderedDict()  # accepted connections whose greenlet has not run
         self.intake: Intake | None = None  # the worker process's pace of intake (made in the worker, after the fork)
 
@@ -98,10 +96,11 @@ class Arrivals:
             return len(self.unstarted), unstarted_s
         return len(self.unstarted) + self.intake.waiting, max(unstarted_s, self.intake.expected_wait_s())
 
-    def refused(self, sock: Any, waited_s: float | None = None, arriving: bool = False) -> bool:
-        """Whether ``at_accept`` answered the request on ``sock``: just accepted (no greenlet yet), ``arriving``
-        (its bytes have just come, on the connection's greenlet), or at its turn (``waited_s``). A defect of its
-        own sends the request the usual way (logged), never takes the connection down."""
+    def judged(self, sock: Any, waited_s: float | None = None, arriving: bool = False) -> AtDoor:
+        """What ``at_accept`` did with the request on ``sock`` (true when it answered it): just accepted (no
+        greenlet yet), ``arriving`` (its bytes have just come, on the connection's greenlet), or at its turn
+        (``waited_s``). A defect of its own sends the request the usual way (logged), never takes the connection
+        down."""
         at_accept = self.at_accept
         assert at_accept is not None
         try:
@@ -114,10 +113,18 @@ class Arrivals:
                 outcome = at_accept(sock, waited_s, in_line=getattr(_connection, "in_line", False))
             else:
                 outcome = at_accept(sock)
-            return bool(outcome)
+            return outcome
         except Exception:
             logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
-            return False
+            return AtDoor.USUAL
+
+    def caller(self, sock: Any) -> str:
+        """Who sends the request on ``sock``, as the door counts callers ("" when it cannot tell)."""
+        try:
+            return "" if self.at_accept is None else self.at_accept.caller(sock)
+        except Exception:
+            logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
+            return ""
 
 
 class _TimedServer(StreamServer):
@@ -129,7 +136,7 @@ class _TimedServer(StreamServer):
 
     def do_handle(self, *args: Any) -> None:
         accepted_at, handle, arrivals = time.monotonic(), self._handle, self.arrivals
-        if arrivals.at_accept is not None and arrivals.refused(args[0]):
+        if arrivals.at_accept is not None and arrivals.judged(args[0]):
             if connections.unread(args[0]):  # requests pipelined behind the refused one: a lingering close
                 gevent.spawn(self._linger_then_close, *args)
             else:
@@ -293,7 +300,8 @@ class ArrivalTimingWorker(GeventWorker):
         return connections.NextRequest(_connection.client, _connection.parser, idle, self.settings.web.header_timeout_s,
                                        self.settings.admission.body_timeout_s, _arrived, first=first,
                                        intake=self.arrivals.intake,
-                                       refuse=self.arrivals.refused if self.arrivals.at_accept is not None else None)
+                                       refuse=self.arrivals.judged if self.arrivals.at_accept is not None else None,
+                                       caller=self.arrivals.caller)
 
     def handle_request(self, listener_name: Any, req: Any, sock: Any, addr: Any) -> Any:
         _connection.path = getattr(req, "path", None)

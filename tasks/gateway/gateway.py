@@ -100,9 +100,11 @@ class Gateway:
         self._waiting = ResultWait(parts.client, Keys.from_settings(settings), self._admission, self._requests,
                                    self._listener, self._replays, self._clock, journal=self._journal,
                                    resume_s=settings.stores.stream_resume_s)
-        # The calls this process has ready at once go to Redis and RabbitMQ together.
-        self._rounds: Rounds[Joining, Waiter] = Rounds(self._admit_round, ROUND_MAX_CALLS, lambda: Unavailable(
-            "the call's admission round was interrupted; retry"))
+        # The calls this process has ready at once go to Redis and RabbitMQ together, a light tenant's first.
+        self._rounds: Rounds[Joining, Waiter] = Rounds(
+            self._admit_round, ROUND_MAX_CALLS,
+            lambda: Unavailable("the call's admission round was interrupted; retry"),
+            first=lambda joining: queue.light(joining.call.tenant))
 
     def live_workers(self, fresh: bool = False) -> list[WorkerInfo]:
         """The live fleet; cached for half a heartbeat interval (``fresh``: read it now)."""

@@ -50,7 +50,8 @@ class Door:
 
     def __init__(self, limit: int, retry_after_s: int, max_delay_s: float = float("inf"),
                  clock: Callable[[], float] | None = None, gate: Turnstile | None = None,
-                 backlog: Callable[[], tuple[int, float]] = lambda: (0, 0.0)) -> None:
+                 backlog: Callable[[], tuple[int, float]] = lambda: (0, 0.0),
+                 callers: RecentCallers | None = None) -> None:
         self.limit = limit
         self.retry_after_s = retry_after_s
         self.max_delay_s = max_delay_s
@@ -59,7 +60,8 @@ class Door:
         self.backlog = backlog  # (connections waiting for the process, how long the oldest has waited)
         self.held = 0
         self.last_delay_s = 0.0  # how long the last request entering waited for this process to get to it
-        self.callers = RecentCallers(self.clock)
+        # who sends what: counted here (and read by the gate, when it is given the gate's count)
+        self.callers = RecentCallers(self.clock) if callers is None else callers
         self._lock = threading.Lock()  # gevent's own lock once gunicorn's worker has monkey-patched threading
 
     def enter(self, arrived_at: float | None = None, caller: str = "",
