@@ -1,6 +1,7 @@
 """Pooled clients against the shipped defaults: a flood beside a steady tenant, idle expiry, a burst, a broker cut.
 
     python -m bench.pooled flood [--batchers 2]   # B at 20/s on one aiohttp session while A sends 5,000 at once
+    python -m bench.pooled flood --steady-client own  # ... B from a client process of its own
     python -m bench.pooled idle [--calls 500]     # openai clients (max_retries=0) calling every 4.8-5.2 s
     python -m bench.pooled burst [--pool cold]    # 3,000 calls at once into an idle 400/s worker, 5 s deadline
     python -m bench.pooled brokercut              # 40/s, 4 s deadline, every broker connection closed mid-way
@@ -19,10 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import random
 import tempfile
 import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
@@ -39,7 +42,10 @@ def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> A
 key = pooled.key
 
 
-def flood(tmp: Path, batchers: int) -> dict[str, Any]:
+def flood(tmp: Path, batchers: int, steady_client: str = "shared") -> dict[str, Any]:
+    """``steady_client``: ``shared``, B's calls on the flood's own session (a web backend serving both tenants:
+    B's times then hold that client's own delay, its event loop busy sending the flood); ``own``, B from a
+    client process of its own, as another tenant's backend is (B's times are then the service's)."""
     with start(tmp, batchers) as stack:
         a, b = key(stack, "a"), key(stack, "b")
 
@@ -51,9 +57,28 @@ def flood(tmp: Path, batchers: int) -> dict[str, Any]:
                 flooded = await pooled.burst(stack.url, 5000, "a", key=a, timeout_ms=10_000, http=http)
                 return alone, await steady, flooded
 
-        alone, beside, a_calls = asyncio.run(run())
-    return {"scenario": "flood", "batchers": batchers, "b_alone": pooled.summary(alone),
-            "b_beside_flood": pooled.summary(beside), "a_flood": pooled.summary(a_calls)}
+        async def run_apart() -> tuple[list[pooled.Call], list[pooled.Call], list[pooled.Call]]:
+            with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as other:
+                loop = asyncio.get_running_loop()
+                alone = await loop.run_in_executor(other, _steady_client, stack.url, b, 5.0)
+                steady = loop.run_in_executor(other, _steady_client, stack.url, b, 10.0)
+                await asyncio.sleep(1.0)
+                flooded = await pooled.burst(stack.url, 5000, "a", key=a, timeout_ms=10_000)
+                return alone, await steady, flooded
+
+        alone, beside, a_calls = asyncio.run(run() if steady_client == "shared" else run_apart())
+    return {"scenario": "flood", "batchers": batchers, "steady_client": steady_client,
+            "b_alone": pooled.summary(alone), "b_beside_flood": pooled.summary(beside),
+            "a_flood": pooled.summary(a_calls)}
+
+
+def _steady_client(url: str, b_key: str, duration_s: float) -> list[pooled.Call]:
+    """Tenant B at 20 calls/s for ``duration_s`` on a session of its own (in a process of its own)."""
+    async def run() -> list[pooled.Call]:
+        async with pooled.session() as http:
+            return await pooled.steady(http, url, "b", 20, duration_s, key=b_key)
+
+    return asyncio.run(run())
 
 
 def idle(tmp: Path, calls: int, clients: int = 20) -> dict[str, Any]:
@@ -166,11 +191,13 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--pool", choices=["cold", "warm", "none"], default="cold",
                         help="burst: the client's connections (see above)")
+    parser.add_argument("--steady-client", choices=["shared", "own"], default="shared",
+                        help="flood: B on the flood's own session, or from a client process of its own")
     args = parser.parse_args()
     for _ in range(args.runs):
         with tempfile.TemporaryDirectory(prefix="llmb-pooled-") as tmp:
             if args.scenario == "flood":
-                row = flood(Path(tmp), args.batchers)
+                row = flood(Path(tmp), args.batchers, args.steady_client)
             elif args.scenario == "idle":
                 row = idle(Path(tmp), args.calls)
             elif args.scenario == "burst":

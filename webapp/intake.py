@@ -55,7 +55,8 @@ class Intake:
     def __init__(self, per_tick: int = PER_TICK, tick_s: float = TICK_S) -> None:
         self.per_tick = per_tick
         self.tick_s = tick_s
-        self._tokens = per_tick
+        self._tokens = per_tick  # free
+        self._granted = 0  # handed to requests waiting that have not run yet (taken once they run)
         self._lines: OrderedDict[str, deque[_Waiting]] = OrderedDict()  # callers with requests waiting, in turn
         self._since: OrderedDict[_Waiting, float] = OrderedDict()  # every request waiting, oldest first
         self._refilling = False
@@ -72,11 +73,14 @@ class Intake:
             waiting = _Waiting(began)
             self._lines.setdefault(caller(), deque()).append(waiting)
             self._since[waiting] = began
+            self._hand_out()  # tokens left (the ones granted have not run yet): in turn, at once
             try:
                 waiting.woken.wait()
             except BaseException:  # killed while waiting: out of line, its token (if it had one) to the next
                 self._leave(waiting)
                 raise
+            del self._since[waiting]  # counted as waiting until it runs: the door's view of the backlog
+            self._granted -= 1
             waited = time.monotonic() - began
         else:
             self._tokens -= 1
@@ -88,7 +92,7 @@ class Intake:
     def give_back(self) -> None:
         """Return the token of a request refused at its turn (a few header lookups and one write): the next in
         line need not wait a tick for it."""
-        if self._tokens < self.per_tick:
+        if self._tokens + self._granted < self.per_tick:
             self._tokens += 1
             self._hand_out()
 
@@ -115,16 +119,18 @@ class Intake:
                 self._lines.move_to_end(caller)
             else:
                 del self._lines[caller]
-            del self._since[waiting]
             self._tokens -= 1
+            self._granted += 1
             waiting.granted = True
             waiting.woken.set()
 
     def _leave(self, waiting: _Waiting) -> None:
-        if waiting.granted:
-            self.give_back()
-            return
         self._since.pop(waiting, None)
+        if waiting.granted:  # its token unused: free again
+            self._granted -= 1
+            self._tokens += 1
+            self._hand_out()
+            return
         for caller, line in self._lines.items():
             if waiting in line:
                 line.remove(waiting)
@@ -134,14 +140,14 @@ class Intake:
 
     def _refill(self) -> None:
         now = time.monotonic()
-        missing = self.per_tick - self._tokens
-        if self._since and missing == self.per_tick and now > self._refilled_at:  # a tick spent behind
-            sample = missing / (now - self._refilled_at)
+        taken = self.per_tick - self._tokens - self._granted  # by requests that ran this tick
+        if self._since and taken == self.per_tick and now > self._refilled_at:  # a tick spent behind
+            sample = taken / (now - self._refilled_at)
             self.rate += RATE_WEIGHT * (sample - self.rate)
         self._refilled_at = now
-        self._tokens = self.per_tick
+        self._tokens = self.per_tick - self._granted
         self._hand_out()
-        if missing:
+        if taken:
             gevent.spawn_later(self.tick_s, self._refill)
         else:
             self._refilling = False
