@@ -36,7 +36,7 @@ class Gate:
     ``callers``: who sends the process its calls now, as its door counts them (every arrival, the refused
     among them), to tell a light tenant by. Counted at the gate instead (None: a process no door stands in
     front of, llmb-jobs), a flood the door turns away would not count, and its few calls let through would make
-    the steady tenant beside it look heavy: measured, a steady tenant's calls waited up to 0.19 s for a slot
+    the steady tenant beside it look heavy: measured, a steady tenant's calls waited 0.18-0.48 s for a slot
     while the door judged them light."""
 
     def __init__(self, slots: int, max_wait_s: float, clock: Callable[[], float] = time.monotonic,
