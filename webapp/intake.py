@@ -33,10 +33,9 @@ RATE_WEIGHT = 0.3  # each tick spent behind moves the measured intake rate this 
 class _Waiting:
     """A request waiting for its token."""
 
-    __slots__ = ("granted", "since", "woken")
+    __slots__ = ("granted", "woken")
 
-    def __init__(self, since: float) -> None:
-        self.since = since
+    def __init__(self) -> None:
         self.woken = Event()
         self.granted = False
 
@@ -70,7 +69,7 @@ class Intake:
         waited = None
         if self._since or self._tokens <= 0:  # behind others: in its caller's line
             began = time.monotonic()
-            waiting = _Waiting(began)
+            waiting = _Waiting()
             self._lines.setdefault(caller(), deque()).append(waiting)
             self._since[waiting] = began
             self._hand_out()  # tokens left (the ones granted have not run yet): in turn, at once
