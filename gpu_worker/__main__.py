@@ -123,6 +123,7 @@ def run_worker(device: int, backend: str, model: str | None, host: str, queue: s
     def _sigterm_once(**_: object) -> None:  # Celery's handlers are installed by now
         hear_sigterm_once()
         settle()  # the model is loaded and the consumer started: out of the garbage collector's full collections
+        runtime.ready()  # sent right after the consumer's basic.consume: batches may come
 
     @signals.worker_shutting_down.connect
     def _begin_drain(**_: object) -> None:

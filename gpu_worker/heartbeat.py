@@ -19,15 +19,16 @@ from gpu_worker.backends.interface import NO_ADAPTERS, NO_PREFIX_CACHE, AdapterS
 from gpu_worker.worker_state import WorkerState
 from tasks.broker.queues import RETRY_POLICY, fleet_exchange
 from tasks.config import Settings
-from tasks.schema import DRAINING, Batch, BatchEvent, Failure, WorkerInfo
+from tasks.schema import DRAINING, STARTING, Batch, BatchEvent, Failure, WorkerInfo
 from tasks.state.fleet import Fleet
 
 log = logging.getLogger("llmb.worker")
 
 
 class HeartbeatStep(bootsteps.StartStopStep):
-    """Starts the heartbeat with the pool. It keeps beating through a graceful stop (as "draining") until
-    :meth:`WorkerRuntime.leave`, which runs once everything the worker held was handed back."""
+    """Starts the heartbeat with the pool, as "starting" until the consumer consumes (:meth:`WorkerRuntime.ready`).
+    It keeps beating through a graceful stop (as "draining") until :meth:`WorkerRuntime.leave`, which runs once
+    everything the worker held was handed back."""
 
     requires = ("celery.worker.components:Pool",)
 
@@ -62,12 +63,19 @@ class WorkerRuntime:
         self.state = state
         self.settings = settings
         self.draining = False
+        self.starting = True  # until the consumer consumes: a batch sent before would wait, and look lost
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._beating = threading.Lock()  # a beat in progress never lands after leave()
 
     def start_heartbeat(self) -> None:
         threading.Thread(target=self._loop, name="heartbeat", daemon=True).start()
+
+    def ready(self) -> None:
+        """The consumer consumes this worker's queue: batches may be sent to it (beat so at once). Its first
+        beats, as "starting", already ended a restart's hold: the API counts a starting worker as serving."""
+        self.starting = False
+        self._wake.set()
 
     def begin_drain(self) -> None:
         """Tell the batchers at once that this worker takes no more batches."""
@@ -112,7 +120,8 @@ class WorkerRuntime:
         adapters = self.adapters()
         return WorkerInfo(
             id=self.worker_id, queue=self.queue, model=self.model, max_batch=self.max_batch,
-            state=DRAINING if self.draining else "busy" if started is not None else "idle",
+            state=(DRAINING if self.draining else STARTING if self.starting
+                   else "busy" if started is not None else "idle"),
             outstanding=len(celery_state.reserved_requests),
             completed=self.state.completed, batch_started_at=started,
             batch_ms_estimate=round(self.state.batch_ms_estimate, 3), heartbeat_at=now,

@@ -147,6 +147,29 @@ class Report:
         return [asdict(c) | {"step": (step := self.step_of(c)), "after_s": round(c.sent_at - begun.get(step, 0.0), 3)}
                 for c in self.calls if c.failed or (c.status and c.late_s > LATE_S)]
 
+    def explain(self, logs: Path | None = None, limit: int = 6) -> str:
+        """What a failing run's reader needs first: the first failed calls (step, seconds into it, answer), the
+        fleet view as Redis held it from 3 s before the first to 1 s after the last, and the processes' log lines
+        that speak of lost workers or heartbeats (``logs``: the stack's folder)."""
+        failed = [c for c in self.calls if c.failed or (c.status and c.late_s > LATE_S)]
+        if not failed:
+            return ""
+        first, last = min(c.sent_at for c in failed), max(c.sent_at + c.latency_s for c in failed)
+        out = [f"{len(failed)} failed or late calls; the first {limit}:"]
+        out += [f"  t={c.sent_at - first:+.2f}s {c.kind} {c.status} after {c.latency_s:.2f}s: {c.detail[:100]}"
+                for c in sorted(failed, key=lambda c: c.sent_at)[:limit]]
+        out += [f"  step {s.name}: {s.started - first:+.2f}s to {s.ended - first:+.2f}s" for s in self.steps
+                if s.started - 5 <= last and s.ended + 5 >= first]
+        out.append("fleet view (worker: state, heartbeat age; awaited back):")
+        out += [f"  t={t - first:+.2f}s {view} back={back}" for t, view, back in self.fleet
+                if first - 3 <= t <= last + 1]
+        if logs is not None:
+            for path in sorted(logs.glob("*.log")):
+                lines = [ln for ln in path.read_text(errors="replace").splitlines()
+                         if "lost" in ln or "heartbeat" in ln or "clock" in ln]
+                out += [f"  {path.name}: {ln[:200]}" for ln in lines[-limit:]]
+        return "\n".join(out)
+
 
 class Service:
     """The address clients call, as a Kubernetes Service is: moved to a new server once it is ready."""

@@ -364,6 +364,8 @@ class ItemResult:
 
 
 DRAINING = "draining"
+STARTING = "starting"  # beating, but its consumer is not consuming yet: no batch is sent to it
+NOT_TAKING_WORK = frozenset({DRAINING, STARTING})
 
 
 @dataclass(frozen=True)
@@ -372,7 +374,7 @@ class WorkerInfo:
     queue: str  # the worker's own batch queue
     model: str
     max_batch: int
-    state: str  # "idle", "busy" or DRAINING (stopping: finishing its batch, taking no more)
+    state: str  # "idle", "busy", STARTING (not consuming yet) or DRAINING (finishing its batch, taking no more)
     outstanding: int  # batches received and not finished, the running one included
     completed: int  # batches finished since the worker started
     batch_started_at: float | None  # when the running batch started, if busy

@@ -417,6 +417,56 @@ def test_a_worker_nobody_consumes_gets_no_batch_until_its_queue_has_a_consumer()
             client.delete(f"{ns}:fleet")
 
 
+def test_a_worker_restarted_under_its_id_while_its_batches_are_taken_back_stays_in_the_fleet() -> None:
+    """A worker stopped holding a batch of ours; by the time the check judged it lost (gone from the fleet view
+    for half a staleness period) its replacement, under the same id, had beaten. The check used to remove that
+    new heartbeat with the old worker's: the only worker of a model vanished from the API processes' view until
+    its next beat (a rolling upgrade's calls to it answered 404). Real broker and Redis; the replacement beats
+    while the batches are being taken back."""
+    import uuid
+    from dataclasses import replace
+
+    import redis
+    from kombu import Connection
+
+    from harness.stack import BROKER_URL, REDIS_URL
+    from tasks.broker.queues import recovery_queue
+    from tasks.broker.recovery import Recovery
+    from tasks.state.claims import Claims
+    from tasks.state.fleet import Fleet
+    from tasks.state.quarantine import Quarantine
+    from tasks.state.results import ResultWriter
+
+    ns = f"t{uuid.uuid4().hex[:10]}"
+    h = Harness(size=1, workers=1)
+    h.workers = [replace(worker("w0"), queue=f"{ns}.gpu.w0", heartbeat_at=h.clock.now)]
+    client = redis.Redis.from_url(REDIS_URL)
+    fleet = Fleet(client, f"{ns}:fleet", 3.0)
+    beats: list[float] = []
+
+    def connection() -> Connection:  # the replacement beats while the check takes the batches back
+        if not beats:
+            beats.append(h.clock.now)
+            fleet.beat(replace(h.workers[0], heartbeat_at=h.clock.now))
+        return Connection(BROKER_URL)
+
+    recovery = Recovery(h.batcher, fleet, Claims(client, f"{ns}:claim"), Quarantine(client, f"{ns}:quarantine"),
+                        ResultWriter(client, lambda i: i, 60), lambda event: None, connection,
+                        recovery_queue(f"{ns}.recovery"))
+    try:
+        h.submit("a")
+        assert [w for _, w in h.sent] == ["w0"]
+        assert recovery.check(h.clock.now) == []  # gone from the view: not yet for long
+        h.clock.advance(2.0)
+        assert recovery.check(h.clock.now) == ["w0"] and beats, "taken back, the replacement beating meanwhile"
+        assert h.batcher.held_by("w0") == []
+        assert [w.heartbeat_at for w in fleet.all()] == beats, "the replacement's heartbeat is kept"
+    finally:
+        with Connection(BROKER_URL) as conn:
+            conn.default_channel.queue_delete(f"{ns}.recovery")
+        client.delete(f"{ns}:fleet")
+
+
 def test_generation_requests_are_shared_by_tokens_and_corrected_by_what_they_took() -> None:
     """Two tenants, both backlogged: one sends 2,000-character prompts (about 500 tokens + 100 to generate),
     the other 40-character ones (10 + 100). A batch of 12 gives them equal estimated tokens, so the short

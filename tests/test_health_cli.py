@@ -14,7 +14,7 @@ from click.testing import CliRunner, Result
 from harness.stack import REDIS_URL, free_port
 from tasks.cli import cli
 from tasks.policy.health import Process, local_url, process_of, worker_id, worker_verdict
-from tasks.schema import DRAINING, WorkerInfo
+from tasks.schema import DRAINING, STARTING, WorkerInfo
 from tasks.state.connect import redis_client
 from tasks.state.fleet import Fleet
 
@@ -36,6 +36,9 @@ def test_a_worker_is_healthy_while_its_heartbeat_is_fresh_and_it_is_not_stopping
     assert not worker_verdict("gpu0@h", heartbeat(0, "h", age_s=7.0), now, 6.0, draining_ok=True).healthy
     missing = worker_verdict("gpu0@h", None, now, 6.0)
     assert not missing.healthy and "no heartbeat" in missing.why
+    starting = worker_verdict("gpu0@h", heartbeat(0, "h", state=STARTING), now, 6.0)
+    assert not starting.healthy and "not consuming yet" in starting.why, "not ready before its consumer consumes"
+    assert worker_verdict("gpu0@h", heartbeat(0, "h", state=STARTING), now, 6.0, draining_ok=True).healthy
 
 
 def test_the_process_is_read_from_the_command_line_as_the_image_starts_it() -> None:

@@ -47,6 +47,7 @@ def test_a_rolling_upgrade_of_every_process_under_load_fails_no_call(tmp_path: P
     report = run_rollout(tmp_path, rate=30.0, aio_rate=5.0, embed=False, warm_s=2.0, sim_batch_ms=100)
     summary = report.summary()
     print(f"\n[rolling upgrade] {summary}\n  failed or late by step: {report.failures_by_step()}", flush=True)
+    print(report.explain(tmp_path), flush=True)
     assert summary["calls"] > 1000 and summary["streams"] > 5 and summary["jobs"] >= 1, summary
     assert summary["failed"] == 0, summary
     assert summary["connection_errors"] == 0, summary

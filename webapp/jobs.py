@@ -29,7 +29,6 @@ from tasks.jobs.feeder import Feeder
 from tasks.jobs.job_run import LineResult
 from tasks.logs import setup_logging
 from tasks.policy.batchfile import idempotency_key
-from tasks.policy.refusal import not_served
 from tasks.policy.tenancy import Principal
 from tasks.schema import Priority
 from tasks.state.records import Idempotency, Shape
@@ -39,7 +38,7 @@ from webapp.adapter_names import resolve, shown_model
 from webapp.answers import render
 from webapp.body import parse_json
 from webapp.errors import NATIVE, OPENAI, status_of
-from webapp.openai_api import KIND_FOR
+from webapp.openai_api import KIND_FOR, check_model
 from webapp.openai_schema import parse_chat, parse_completion, parse_embeddings
 from webapp.services import Services
 from webapp.validation import bind, parse_infer
@@ -104,17 +103,8 @@ class LineRunner:
         call = bind(replace(call, priority=Priority.OFFLINE), principal, self.services.settings, received_at=started)
         call = resolve(call, self.services.adapters, self.services.served_models)  # as every route does
         if route in KIND_FOR:
-            self._check_model(call, route)
+            check_model(self.services.gateway, call, route)
         return call, shape
-
-    def _check_model(self, call: Call, route: str) -> None:
-        kinds = {w.model: w.kind for w in self.services.gateway.live_workers()}
-        model, named = call.model, shown_model(call)
-        if model not in kinds:
-            raise not_served(named, list(kinds))
-        if kinds[model] not in KIND_FOR[route]:
-            what = f"an adapter of {model!r}, " if named != model else ""
-            raise InvalidInput(f"the model {named!r} is {what}a {kinds[model]} model; it cannot serve this endpoint")
 
 
 def build(settings: Settings) -> Feeder:

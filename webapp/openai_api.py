@@ -17,7 +17,7 @@ from flask import Blueprint, Response, g, jsonify
 from tasks.config import Settings
 from tasks.errors import BatchingError, InvalidInput
 from tasks.gateway.calls import Answer, Call
-from tasks.policy.refusal import not_served
+from tasks.gateway.gateway import Gateway
 from tasks.policy.stream_position import Position
 from tasks.schema import Priority
 from tasks.state.records import Shape
@@ -63,15 +63,18 @@ def _run(call: Call, endpoint: str, shape: Shape) -> Answer:
 
 
 def _check_model(call: Call, endpoint: str) -> None:
+    check_model(services().gateway, call, endpoint)
+
+
+def check_model(gateway: Gateway, call: Call, endpoint: str) -> None:
     """The call's model (an adapter's base, once resolved) is served, and is of a kind ``endpoint`` serves; the
-    refusals name the model as the caller did (an adapter by its name)."""
-    kinds = {w.model: w.kind for w in services().gateway.live_workers()}
+    refusals name the model as the caller did (an adapter by its name). A model known whose workers are all down
+    (a restart's gap) goes on to the gateway's 503, which says to retry."""
     named = shown_model(call)
-    if call.model not in kinds:
-        raise not_served(named, list(kinds))
-    if kinds[call.model] not in KIND_FOR[endpoint]:
+    kind = gateway.kind_of(call.model, named)
+    if kind is not None and kind not in KIND_FOR[endpoint]:
         what = f"an adapter of {call.model!r}, " if named != call.model else ""
-        raise InvalidInput(f"the model {named!r} is {what}a {kinds[call.model]} model; it cannot serve "
+        raise InvalidInput(f"the model {named!r} is {what}a {kind} model; it cannot serve "
                            f"/v1/{'chat/completions' if endpoint == 'chat' else endpoint}")
 
 

@@ -32,7 +32,7 @@ from tasks.broker.queues import RETRY_POLICY
 from tasks.errors import PoisonInput, RetriesExhausted
 from tasks.policy.batcher import Batcher
 from tasks.policy.scheduler_output import SchedulerOutput
-from tasks.schema import DRAINING, Batch, BatchItem, Failure, ItemResult, WorkerInfo, input_hash
+from tasks.schema import NOT_TAKING_WORK, Batch, BatchItem, Failure, ItemResult, WorkerInfo, input_hash
 from tasks.state.claims import Claims, ClaimVerdict
 from tasks.state.fleet import Fleet
 from tasks.state.quarantine import Quarantine
@@ -109,7 +109,8 @@ class Recovery:
         """Find lost workers and send their batches to the recovery queue; returns their ids.
 
         A worker is lost when its heartbeat is stale; when it has batches of ours but nobody consumes its
-        queue (a killed process; not while it is draining, which stops consuming on purpose); or when it has
+        queue (a killed process; not while it is draining, which stops consuming on purpose, nor while it is
+        starting, which consumes them once its consumer is up); or when it has
         batches of ours and is gone from the fleet view (it stopped, or another batcher found it lost).
         """
         workers = {w.id: w for w in self.fleet.all()}
@@ -121,7 +122,7 @@ class Recovery:
             self._gone_since.setdefault(wid, now)
         self._gone_since = {wid: t for wid, t in self._gone_since.items() if wid in ours and wid not in workers}
         lost |= {wid for wid, t in self._gone_since.items() if now - t >= self.fleet.stale_after_s / 2}
-        busy = {wid for wid in ours - lost if wid in workers and workers[wid].state != DRAINING}
+        busy = {wid for wid in ours - lost if wid in workers and workers[wid].state not in NOT_TAKING_WORK}
         if busy or self._unconsumed:
             with self.connection() as conn:
                 unconsumed = {wid for wid in busy if _consumers(conn, workers[wid].queue) == 0}
@@ -131,18 +132,21 @@ class Recovery:
             self._unconsumed.update({wid: (workers[wid].queue, now) for wid in unconsumed})
             lost |= unconsumed
         for wid in lost:
-            self.take_back(wid, self._queues.get(wid))
+            seen = workers.get(wid)
+            self.take_back(wid, self._queues.get(wid), seen.heartbeat_at if seen is not None else None)
         return sorted(lost)
 
     def routable(self, workers: list[WorkerInfo]) -> list[WorkerInfo]:
         """The workers batches may go to: not those whose queue nobody consumed at the last checks."""
         return [w for w in workers if w.id not in self._unconsumed] if self._unconsumed else workers
 
-    def take_back(self, worker_id: str, queue: str | None) -> None:
+    def take_back(self, worker_id: str, queue: str | None, seen_at: float | None = None) -> None:
         """Publish every batch the worker holds to the recovery queue (those this batcher sent it, and what is
         left in its queue when the queue is known), then forget the worker. Each batch is forgotten only once
         it is published (and a queued one acknowledged only then): a failure half way leaves the rest for the
-        next check."""
+        next check. Its heartbeat (``seen_at``: the one judged; None: it was gone) leaves the fleet view only if
+        no newer one replaced it: a worker restarted under the same id may have beaten meanwhile, and removing
+        that beat hid the only worker of a model from the API processes (a rollout's calls to it answered 404)."""
         log.warning("worker %s is lost (no heartbeat, gone, or nobody consumes %s); taking its batches back",
                     worker_id, queue or "its queue")
         with self.connection() as conn:
@@ -170,7 +174,8 @@ class Recovery:
             finally:
                 _close(channel)
         self.batcher.worker_lost(worker_id)
-        self.fleet.leave(worker_id)
+        if seen_at is not None:
+            self.fleet.leave(worker_id, seen_at)
         self._queues.pop(worker_id, None)
         self._gone_since.pop(worker_id, None)
 

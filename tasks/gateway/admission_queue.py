@@ -85,12 +85,12 @@ class AdmissionQueue:
                                             admission.cap, 1.0))
         return cap
 
-    def refuse_unknown(self, model: str) -> None:
+    def refuse_unknown(self, model: str, named: str | None = None) -> None:
         """Raise ModelNotFound (404) for a model that no worker in the fleet hash serves or lately served, before
         anything is kept for its call (a line here, a held verdict, a turn at the gate, Redis's sets): a flood of
         made-up names leaves nothing behind. A model whose workers are all down is known, and so is the configured
         default model (a fleet not up yet): its call goes on to the gateway's 503. A fleet that cannot be read
-        refuses nothing here (that 503 comes later)."""
+        refuses nothing here (that 503 comes later). ``named``: the model as the caller named it (an adapter)."""
         if model == self.settings.models.default_model:
             return
         try:
@@ -98,7 +98,7 @@ class AdmissionQueue:
                 return
         except redis.RedisError:
             return
-        raise not_served(model, [w.model for w in self.workers.last])
+        raise not_served(named or model, [w.model for w in self.workers.last])
 
     def light(self, tenant: str) -> bool:
         """Whether ``tenant`` sends well under an even share of this process's recent calls (its gate's count)."""

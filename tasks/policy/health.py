@@ -9,7 +9,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tasks.schema import DRAINING, WorkerInfo
+from tasks.schema import DRAINING, STARTING, WorkerInfo
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,10 @@ def worker_id(device: int, host: str) -> str:
 
 def worker_verdict(wanted: str, worker: WorkerInfo | None, now: float, stale_after_s: float, *,
                    draining_ok: bool = False) -> HealthVerdict:
-    """Healthy while ``wanted``'s heartbeat is at most ``stale_after_s`` old and it is not stopping (draining: it
-    takes no more work, so it is not ready; a drain ends with the process). ``draining_ok``: a liveness check, for
-    which a stopping worker still heartbeating is alive (it must not be killed while it hands its work back)."""
+    """Healthy while ``wanted``'s heartbeat is at most ``stale_after_s`` old and it takes work: not starting (its
+    consumer not consuming yet) nor stopping (draining: a drain ends with the process), either of which is not
+    ready. ``draining_ok``: a liveness check, for which a starting or stopping worker still heartbeating is alive
+    (it must not be killed while it starts or hands its work back)."""
     if worker is None:
         return HealthVerdict(False, f"{wanted}: no heartbeat in the fleet (not started, still loading its model, "
                                     "or gone)")
@@ -36,6 +37,8 @@ def worker_verdict(wanted: str, worker: WorkerInfo | None, now: float, stale_aft
         return HealthVerdict(False, f"{wanted}: last heartbeat {age:.1f} s ago (stale after {stale_after_s:g} s)")
     if worker.state == DRAINING and not draining_ok:
         return HealthVerdict(False, f"{wanted}: draining (stopping, taking no more work)")
+    if worker.state == STARTING and not draining_ok:
+        return HealthVerdict(False, f"{wanted}: starting (its consumer is not consuming yet)")
     return HealthVerdict(True, f"{wanted}: {worker.state}, serving {worker.model}, heartbeat {max(0.0, age):.1f} s ago")
 
 

@@ -20,10 +20,21 @@ from dataclasses import replace
 import redis
 
 from tasks.config import Settings
-from tasks.schema import DRAINING, WorkerInfo
+from tasks.schema import DRAINING, NOT_TAKING_WORK, WorkerInfo
 from tasks.state.keys import Keys
 
 KNOWN_FOR_S = 300.0  # a model stays known this long after its last worker left the fleet hash
+
+# Remove a worker's heartbeat only if it is still the one judged lost: a worker that restarted under the same id
+# (a process restarted in place) meanwhile has beaten afresh, and must stay in the view.
+_LEAVE_IF_SEEN = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local ok, beat = pcall(cjson.decode, raw)
+if ok and type(beat) == 'table' and tonumber(beat['heartbeat_at']) and
+   tonumber(beat['heartbeat_at']) > tonumber(ARGV[2]) then return 0 end
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
 
 
 class Fleet:
@@ -43,8 +54,11 @@ class Fleet:
     def beat(self, info: WorkerInfo) -> None:
         self.client.hset(self.key, info.id, info.to_json())
 
-    def leave(self, worker_id: str) -> None:
-        self.client.hdel(self.key, worker_id)
+    def leave(self, worker_id: str, seen_at: float) -> bool:
+        """Remove a worker judged lost from the view, unless it has beaten since ``seen_at`` (the heartbeat time
+        the judgement read): a replacement under the same id that beat meanwhile is not the lost process.
+        Whether it was removed."""
+        return bool(self.client.eval(_LEAVE_IF_SEEN, 1, self.key, worker_id, repr(seen_at)))
 
     def depart(self, info: WorkerInfo, hold_s: float) -> None:
         """A worker stopped gracefully leaves the fleet, and (``hold_s`` > 0) is awaited back for ``hold_s``: its
@@ -66,38 +80,61 @@ class Fleet:
 
     def returning(self) -> list[tuple[float, WorkerInfo]]:
         """Workers stopped gracefully and awaited back: (until when, their last heartbeat)."""
-        return [(until, info) for until, info in self._returning().values() if info is not None]
+        return _awaited(self._returning())
+
+    def read(self) -> tuple[list[WorkerInfo], list[tuple[float, WorkerInfo]]]:
+        """Every heartbeat and the workers awaited back, as of one instant (one MULTI): read apart, a replacement
+        could beat and clear its hold between the two reads, and the view would hold neither it nor its hold."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hgetall(self.key)
+        pipe.hgetall(self.returning_key)
+        beats, returning = pipe.execute()
+        return _workers(beats), _awaited(_returning_of(returning))
 
     def _returning(self) -> dict[bytes | str, tuple[float, WorkerInfo | None]]:
-        """By worker id (the hash's field, as read); an unreadable entry (another version's) as (0, None), so that
-        it is pruned."""
-        out: dict[bytes | str, tuple[float, WorkerInfo | None]] = {}
-        for worker_id, raw in self.client.hgetall(self.returning_key).items():
-            try:
-                d = json.loads(raw)
-                out[worker_id] = (float(d["until"]), WorkerInfo.from_json(json.dumps(d["info"])))
-            except (ValueError, TypeError, KeyError):
-                out[worker_id] = (0.0, None)
-        return out
+        return _returning_of(self.client.hgetall(self.returning_key))
 
     def all(self) -> list[WorkerInfo]:
-        workers = []
-        for raw in self.client.hgetall(self.key).values():
-            try:
-                workers.append(WorkerInfo.from_json(raw))
-            except (ValueError, TypeError):
-                continue  # a heartbeat from an incompatible version: ignore rather than crash the reader
-        return workers
+        return _workers(self.client.hgetall(self.key))
 
     def live(self, now: float, *, draining: bool = False) -> list[WorkerInfo]:
-        """Workers that may be given work: heartbeat fresh and (unless ``draining``) not stopping. The API
-        counts stopping workers as serving their model: a restart must not flap it to 503."""
+        """Workers that may be given work: heartbeat fresh and (unless ``draining``) not starting or stopping.
+        The API counts those as serving their model: a restart must not flap it to 503."""
         return live_of(self.all(), now, self.stale_after_s, draining=draining)
 
 
+def _workers(beats: dict[bytes | str, bytes | str]) -> list[WorkerInfo]:
+    workers = []
+    for raw in beats.values():
+        try:
+            workers.append(WorkerInfo.from_json(raw))
+        except (ValueError, TypeError):
+            continue  # a heartbeat from an incompatible version: ignore rather than crash the reader
+    return workers
+
+
+def _awaited(returning: dict[bytes | str, tuple[float, WorkerInfo | None]]) -> list[tuple[float, WorkerInfo]]:
+    return [(until, info) for until, info in returning.values() if info is not None]
+
+
+def _returning_of(raws: dict[bytes | str, bytes | str]) -> dict[bytes | str, tuple[float, WorkerInfo | None]]:
+    """The workers awaited back by worker id (the hash's field, as read); an unreadable entry (another version's)
+    as (0, None), so that it is pruned."""
+    out: dict[bytes | str, tuple[float, WorkerInfo | None]] = {}
+    for worker_id, raw in raws.items():
+        try:
+            d = json.loads(raw)
+            out[worker_id] = (float(d["until"]), WorkerInfo.from_json(json.dumps(d["info"])))
+        except (ValueError, TypeError, KeyError):
+            out[worker_id] = (0.0, None)
+    return out
+
+
 def live_of(workers: list[WorkerInfo], now: float, stale_after_s: float, *, draining: bool) -> list[WorkerInfo]:
-    """The ``workers`` whose heartbeat is fresh and (unless ``draining``) that are not stopping."""
-    return [w for w in workers if now - w.heartbeat_at <= stale_after_s and (draining or w.state != DRAINING)]
+    """The ``workers`` whose heartbeat is fresh and (unless ``draining``) that take work: not starting (beating
+    before their consumer consumes) nor stopping."""
+    return [w for w in workers
+            if now - w.heartbeat_at <= stale_after_s and (draining or w.state not in NOT_TAKING_WORK)]
 
 
 def returning_of(live: list[WorkerInfo], returning: list[tuple[float, WorkerInfo]], now: float) -> list[WorkerInfo]:
@@ -142,13 +179,16 @@ class FleetCache:
         next call tries again (or :meth:`keep` the last view)."""
         now = self.clock()
         if fresh or self._read_at is None or now - self._read_at > self.max_age_s:
-            everyone = self.fleet.all()
+            if self.draining:  # the API's view: a model whose only worker restarts stays served (and known)
+                # one read of both, into locals: reading Redis lets another greenlet in, which must never see a
+                # view without the workers awaited back (a 404 for a model whose only worker restarts)
+                everyone, awaited = self.fleet.read()
+            else:
+                everyone, awaited = self.fleet.all(), []
             wallclock = self.wallclock()
             live = live_of(everyone, wallclock, self.fleet.stale_after_s, draining=self.draining)
-            if self.draining:  # the API's view: a model whose only worker restarts stays served (and known)
-                # into locals first: reading Redis lets another greenlet in, which must never see a view without
-                # the workers awaited back (a 404 for a model whose only worker restarts)
-                returning = returning_of(live, self.fleet.returning(), wallclock)
+            if self.draining:
+                returning = returning_of(live, awaited, wallclock)
                 live, everyone = live + returning, everyone + returning
             self.last = live
             self._read_at = now

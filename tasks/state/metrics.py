@@ -24,7 +24,7 @@ from prometheus_client.registry import Collector
 
 from tasks.config import Settings
 from tasks.policy.tenancy import TENANT_NAME
-from tasks.schema import WorkerInfo
+from tasks.schema import DRAINING, STARTING, WorkerInfo
 from tasks.state.admission import Admission
 from tasks.state.fleet import Fleet
 from tasks.state.keys import Keys
@@ -173,9 +173,10 @@ class SystemCollector(Collector):
                                 value=now - oldest if oldest is not None else 0.0)
         yield from _per_model(models)
         by_state = GaugeMetricFamily("llmb_workers", "GPU workers by state, from heartbeats.", labels=["state"])
-        states = {"idle": 0, "busy": 0, "stale": 0}
+        states = {"idle": 0, "busy": 0, STARTING: 0, DRAINING: 0, "stale": 0}
         for w in workers:
-            states["stale" if now - w.heartbeat_at > self.fleet.stale_after_s else w.state] += 1
+            state = "stale" if now - w.heartbeat_at > self.fleet.stale_after_s else w.state
+            states[state] = states.get(state, 0) + 1
         for state, n in states.items():
             by_state.add_metric([state], n)
         yield by_state
