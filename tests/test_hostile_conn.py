@@ -304,6 +304,10 @@ def test_resumes_whose_clients_stop_reading_free_their_slots_within_the_send_tim
         resume = (f"GET /v1/requests/{rid}/stream HTTP/1.1\r\nHost: x\r\n\r\n").encode()
         slow = [slow_reader(stack.port, resume) for _ in range(MAX_RESUMING_PER_TENANT)]
         try:
+            # every slow reader holds its slot before the tenant's own resumes are tried: one tried first took a
+            # slot for a moment, a slow reader was refused meanwhile, and no resume was ever refused (CI, once)
+            wait_for(lambda: all(len(_peek(sock, 12)) == 12 for sock in slow), 10, "the slow readers answered")
+            assert {_peek(sock, 12) for sock in slow} == {b"HTTP/1.1 200"}
             url = f"{stack.url}/v1/requests/{rid}/stream"
 
             def resumes() -> int:
@@ -317,6 +321,15 @@ def test_resumes_whose_clients_stop_reading_free_their_slots_within_the_send_tim
         finally:
             for sock in slow:
                 sock.close()
+
+
+def _peek(sock: socket.socket, n: int) -> bytes:
+    """Up to ``n`` bytes the server sent, left unread (a slow reader still reads nothing)."""
+    sock.settimeout(0.05)
+    try:
+        return sock.recv(n, socket.MSG_PEEK)
+    except TimeoutError:
+        return b""
 
 
 def test_a_reused_request_id_after_a_resumed_call_is_still_cancelled_when_its_client_leaves_through_gunicorn(
