@@ -166,7 +166,7 @@ def test_each_stop_prunes_the_holds_that_ended_so_the_table_is_bounded() -> None
         client.hset(f"{key}:returning", "gpu0@old", "not json")  # another version's entry
         fleet.depart(worker("gpu0@pod-last", "sim-lm", at=5000.0), hold_s=60.0)
         assert set(client.hkeys(f"{key}:returning")) == {b"gpu0@pod-last"}
-        assert [w.id for _, w in fleet.returning()] == ["gpu0@pod-last"]
+        assert [w.id for _, w in fleet.read()[1]] == ["gpu0@pod-last"]
     finally:
         client.delete(key, f"{key}:returning")
         client.close()

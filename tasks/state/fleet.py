@@ -78,13 +78,10 @@ class Fleet:
         """A worker (re)started: it is no longer awaited."""
         self.client.hdel(self.returning_key, worker_id)
 
-    def returning(self) -> list[tuple[float, WorkerInfo]]:
-        """Workers stopped gracefully and awaited back: (until when, their last heartbeat)."""
-        return _awaited(self._returning())
-
     def read(self) -> tuple[list[WorkerInfo], list[tuple[float, WorkerInfo]]]:
-        """Every heartbeat and the workers awaited back, as of one instant (one MULTI): read apart, a replacement
-        could beat and clear its hold between the two reads, and the view would hold neither it nor its hold."""
+        """Every heartbeat, and the workers stopped gracefully and awaited back (until when, their last heartbeat),
+        as of one instant (one MULTI): read apart, a replacement could beat and clear its hold between the two
+        reads, and the view would hold neither it nor its hold."""
         pipe = self.client.pipeline(transaction=True)
         pipe.hgetall(self.key)
         pipe.hgetall(self.returning_key)
