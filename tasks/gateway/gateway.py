@@ -111,16 +111,15 @@ class Gateway:
         return live_workers(self._workers, fresh)
 
     def kind_of(self, model: str, named: str | None = None) -> str | None:
-        """The kind of model ``model``'s live workers run (``WorkerInfo.kind``), the cached view read again when
-        it lacks the model: it may predate a worker that just started. None when the model is known but no
-        worker of it is live (the call goes on to the gateway's 503, retry); ModelNotFound (404, naming the model
-        as ``named``) when no worker serves it or lately did."""
-        for fresh in (False, True):
-            kinds = {w.model: w.kind for w in self.live_workers(fresh)}
-            if model in kinds:
-                return kinds[model]
+        """The kind of model ``model``'s live workers run (``WorkerInfo.kind``). ModelNotFound (404, naming the
+        model as ``named``) when no worker serves it or lately did, judged first: a flood of made-up names costs
+        no Redis read each. A known model missing from the cached view is read again (the view may predate a
+        worker that just started); None when no worker of it is live (the call goes on to the gateway's 503)."""
+        kinds = {w.model: w.kind for w in self.live_workers()}
+        if model in kinds:
+            return kinds[model]
         self.queue.refuse_unknown(model, named)
-        return None
+        return {w.model: w.kind for w in self.live_workers(fresh=True)}.get(model)
 
     def live_models(self, fresh: bool = False) -> set[str]:
         return {w.model for w in self.live_workers(fresh)}
