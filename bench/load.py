@@ -118,8 +118,10 @@ def _unchunk(data: bytes) -> bytes:
 
 def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 1, tenant: str | None = None,
         poison_every: int = 0, poison_marker: str = "", concurrency: int = 10_000, key: str | None = None,
-        priority: str | None = None, client_timeout_ms: int | None = None, keep_alive: bool = False) -> dict[str, Any]:
-    """Offer ``rate`` requests/s for ``duration`` s; returns a summary and one record per request.
+        priority: str | None = None, client_timeout_ms: int | None = None, keep_alive: bool = False,
+        count: int | None = None) -> dict[str, Any]:
+    """Offer ``rate`` requests/s for ``duration`` s (or, with ``count``, until that many are sent); returns a
+    summary and one record per request.
 
     ``timeout_ms`` is the deadline sent to the server; the client gives up at ``client_timeout_ms`` (default: the
     server's deadline + 30 s), and an answer after that counts as a client time-out."""
@@ -165,7 +167,7 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
 
     t0 = time.monotonic()
     next_at, sent = 0.0, 0
-    while next_at < duration:
+    while (next_at < duration) if count is None else (sent < count):
         delay = t0 + next_at - time.monotonic()
         if delay > 0:
             gevent.sleep(delay)
@@ -174,6 +176,8 @@ def run(url: str, rate: float, duration: float, timeout_ms: int, *, seed: int = 
         sent += 1
         next_at += rng.expovariate(rate)
     pool.join()
+    if count is not None:
+        duration = next_at  # the arrivals' span
     summary = summarize(records, rate, duration, timeout_ms, lags, client_s * 1000)
     summary["connections"] = opened
     return {"summary": summary, "records": records}
@@ -209,6 +213,7 @@ def main() -> None:
     ap.add_argument("--url", default="http://127.0.0.1:8000")
     ap.add_argument("--rate", type=float, required=True, help="offered requests per second")
     ap.add_argument("--duration", type=float, default=10.0, help="seconds of arrivals")
+    ap.add_argument("--count", type=int, default=None, help="send this many (at --rate), whatever the duration")
     ap.add_argument("--timeout-ms", type=int, default=5000, help="per-request deadline sent to the server")
     ap.add_argument("--client-timeout-ms", type=int, default=None,
                     help="the client gives up after this long (default: the server deadline + 30 s)")
@@ -227,7 +232,8 @@ def main() -> None:
     gc.disable()
     result = run(args.url, args.rate, args.duration, args.timeout_ms, seed=args.seed, tenant=args.tenant,
                  poison_every=args.poison_every, poison_marker=args.poison_marker, key=args.key,
-                 priority=args.priority, client_timeout_ms=args.client_timeout_ms, keep_alive=args.keep_alive)
+                 priority=args.priority, client_timeout_ms=args.client_timeout_ms, keep_alive=args.keep_alive,
+                 count=args.count)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(result, f)

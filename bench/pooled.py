@@ -8,7 +8,10 @@
 
 The burst's ``--pool``: ``cold`` (one session whose pool is empty, so each call opens a connection, then kept),
 ``warm`` (the pool holds 3,000 open connections first, as a web backend's does after a busy moment: the calls go
-out without connecting) or ``none`` (a new connection per call, closed after: a client without a pool).
+out without connecting), ``none`` (a new connection per call, closed after: a client without a pool) or ``lean``
+(``bench/load.py``'s plain-socket client, a new connection per call, in a process of its own: about a quarter
+of aiohttp's CPU per call, so that less of the two cores goes to the client). Each burst also reports
+``server_429``, the service's own timing of its refusals from their arrival (:mod:`harness.refusal_times`).
 
 Each starts its own system (gunicorn with two processes, the batcher(s), one sim worker at 250 ms per batch:
 400 requests/s) with API keys on, on the local RabbitMQ and Redis, prints one JSON line per run and writes
@@ -19,9 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import json
 import multiprocessing
 import random
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -30,7 +36,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from harness import pooled
+from harness import pooled, refusal_times
 from harness.services import Vhost
 from harness.stack import Stack
 
@@ -138,19 +144,46 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
 
 
 def burst(tmp: Path, pool: str = "cold", n: int = 3000) -> dict[str, Any]:
+    """``n`` calls at once (5 s deadlines); ``server_429`` is the service's own timing of its refusals, from
+    each request's arrival (:mod:`harness.refusal_times`), beside the client's from each call's start."""
+    if pool == "lean":
+        return _lean_burst(tmp, n)
     with start(tmp) as stack:
         a = key(stack, "a")
 
-        async def run() -> tuple[list[pooled.Call], dict[str, float]]:
+        async def run() -> tuple[list[pooled.Call], dict[str, float], dict[str, Any]]:
             async with pooled.session(per_call=pool == "none") as http:
                 if pool == "warm":
                     await pooled.warm(http, stack.url, n)
-                before = cpu_seconds(stack)
+                before, timed = cpu_seconds(stack), refusal_times.scrape(stack.url)
                 calls = await pooled.burst(stack.url, n, "a", key=a, timeout_ms=5000, http=http)
-                return calls, {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}
+                server = refusal_times.refusals_since(timed, refusal_times.scrape(stack.url))
+                return calls, {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}, server
 
-        calls, cpu = asyncio.run(run())
-    return {"scenario": "burst", "pool": pool, **pooled.summary(calls), "cpu_s": cpu}
+        calls, cpu, server = asyncio.run(run())
+    return {"scenario": "burst", "pool": pool, **pooled.summary(calls), "server_429": server, "cpu_s": cpu}
+
+
+def _lean_burst(tmp: Path, n: int) -> dict[str, Any]:
+    """The burst from ``bench/load.py``'s client in a process of its own: plain sockets, a new connection per
+    call, about a quarter of aiohttp's CPU per call. On two shared cores the client's own time is then a small
+    part of each call's, as a client on its own host would leave it."""
+    with start(tmp) as stack:
+        a = key(stack, "a")
+        before, timed = cpu_seconds(stack), refusal_times.scrape(stack.url)
+        out = tmp / "lean.json"
+        subprocess.run([sys.executable, "-m", "bench.load", "--url", stack.url, "--key", a, "--timeout-ms", "5000",
+                        "--rate", str(n * 100), "--count", str(n), "--out", str(out)],  # n in about 10 ms
+                       check=True, capture_output=True, cwd=Path(__file__).resolve().parent.parent)
+        server = refusal_times.refusals_since(timed, refusal_times.scrape(stack.url))
+        cpu = {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items() if k != "client"}
+    records = json.loads(out.read_text())["records"]
+    ok = [r["ms"] / 1000 for r in records if r["status"] == 200]
+    refused = [r["ms"] / 1000 for r in records if r["status"] == 429]
+    return {"scenario": "burst", "pool": "lean", "calls": len(records),
+            "statuses": dict(sorted(collections.Counter(str(r["status"]) for r in records).items())),
+            "p50_s": pooled.quantile_s(ok, 50), "p99_s": pooled.quantile_s(ok, 99),
+            "p99_429_s": pooled.quantile_s(refused, 99), "server_429": server, "cpu_s": cpu}
 
 
 def brokercut(tmp: Path) -> dict[str, Any]:
@@ -189,7 +222,7 @@ def main() -> None:
     parser.add_argument("--batchers", type=int, default=1)
     parser.add_argument("--calls", type=int, default=500)
     parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--pool", choices=["cold", "warm", "none"], default="cold",
+    parser.add_argument("--pool", choices=["cold", "warm", "none", "lean"], default="cold",
                         help="burst: the client's connections (see above)")
     parser.add_argument("--steady-client", choices=["shared", "own"], default="shared",
                         help="flood: B on the flood's own session, or from a client process of its own")

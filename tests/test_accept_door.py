@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+from prometheus_client import REGISTRY
 
 from tasks.config import Settings
 from tasks.errors import Overloaded, QueueFull
@@ -88,6 +89,25 @@ def test_a_request_is_refused_at_accept_with_the_doors_json_429_while_the_proces
     assert headers["Retry-After"] == "3" and headers["Connection"] == "close" and headers["X-Request-Id"] == "caller-7"
     error = body["error"]
     assert isinstance(error, dict) and error["type"] == "overloaded" and error["request_id"] == "caller-7"
+
+
+def test_a_refusal_at_accept_is_timed_from_the_requests_arrival_in_the_latency_histogram(behind: Arrivals) -> None:
+    """The door's 429s go into ``llmb_request_duration_seconds{status="429"}`` as Flask's do, timed from when the
+    request arrived: under a flood they are most of the refusals, and their delay is what a caller waits."""
+    def sample(name: str, **labels: str) -> float:
+        return REGISTRY.get_sample_value(f"llmb_request_duration_seconds_{name}", {"status": "429", **labels}) or 0.0
+
+    gate = Gate()
+    gate.wait_s = 0.8
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, backlog=behind.backlog, gate=gate)
+    accept = AcceptDoor(door, is_inference)
+    count, quick, slow = sample("count"), sample("bucket", le="0.25"), sample("bucket", le="0.5")
+    client, server = connection(request({"input": "hello"}))
+    assert accept(server, arrived_at=time.monotonic() - 0.3)  # it came 0.3 s ago
+    server.close()
+    assert answer(client)[0] == "HTTP/1.1 429 Too Many Requests"
+    assert sample("count") == count + 1
+    assert sample("bucket", le="0.25") == quick and sample("bucket", le="0.5") == slow + 1, "0.3-0.5 s"
 
 
 def test_what_the_door_at_accept_cannot_read_whole_or_may_let_in_goes_the_usual_way(behind: Arrivals) -> None:

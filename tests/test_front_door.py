@@ -25,6 +25,7 @@ import pytest
 import requests
 from flask import Flask
 from flask.testing import FlaskClient
+from prometheus_client import REGISTRY
 
 from harness.helpers import assert_json_error, expected, post
 from harness.stack import ROOT, Stack, running_stack, wait_for
@@ -193,6 +194,7 @@ def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: 
         t.start()
     door = services(app).door
     wait_for(lambda: door.held == 2 and all(s.reads for s in held), 10, "two requests held")
+    timed = REGISTRY.get_sample_value("llmb_request_duration_seconds_count", {"status": "429"}) or 0.0
     for path, openai in (("/v1/infer", False), ("/v1/embeddings", True)):
         third = SlowStream(body)
         started = time.monotonic()
@@ -200,6 +202,8 @@ def test_past_its_share_a_process_refuses_at_once_without_reading_the_body(app: 
         error = _assert_clean(r, 429, openai=openai)
         assert time.monotonic() - started < 0.5 and third.reads == 0, "refused before its body was read"
         assert (error["code"] if openai else error["type"]) == "queue_full" and int(r.headers["Retry-After"]) >= 1
+    assert REGISTRY.get_sample_value("llmb_request_duration_seconds_count", {"status": "429"}) == timed + 2, \
+        "the door's refusals are timed in the latency histogram"
     assert app.test_client().get("/healthz").status_code == 200, "only inference calls are counted"
     release.set()
     for t in threads:

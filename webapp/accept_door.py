@@ -65,6 +65,7 @@ class AcceptDoor:
         ``arriving``: its bytes have just come (it arrived at ``arrived_at``, where its deadline starts; None:
         now), and it is judged by its place in its model's admission queue (:class:`QueueShedding`): IN_LINE when
         that let it in; LIGHT when it is a light caller's (not held to the line: taken in at once).
+        ``arrived_at`` also times a refusal from the request's arrival (:func:`webapp.door.refusal`).
         ``in_line``: such a request at its intake turn, ``delay`` after its arrival: only lateness refuses it then
         (its line was judged when it arrived; the expected wait at the gate would judge it twice). The door in
         front of Flask (:class:`webapp.door.DoorMiddleware`) still judges it by that wait."""
@@ -99,7 +100,7 @@ class AcceptDoor:
                 outcome = AtDoor.IN_LINE
         if error is None:
             return outcome
-        headers, body = refusal(error, request.path, request.headers.get("x-request-id"))
+        headers, body = refusal(error, request.path, request.headers.get("x-request-id"), arrived_at)
         head = "".join(f"{k}: {v}\r\n" for k, v in [*headers, ("Connection", "close")])
         try:
             sock.settimeout(0.0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from tasks.config import Settings
 from tasks.errors import QueueFull
 from tasks.gateway.gate import Gate
 from tasks.policy.shedding import Door
-from tasks.state.metrics import HTTP_REQUESTS
+from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
 from webapp.errors import NATIVE, OPENAI, status_of
 from webapp.peek import PEEK_MAX_BYTES, tenant_of
 from webapp.validation import bearer_token, request_id_from
@@ -99,7 +100,8 @@ class DoorMiddleware:
             caller = self.identity(environ.get("HTTP_AUTHORIZATION"), environ.get("HTTP_X_TENANT"))
             self.door.enter(ready_at, caller, (lambda: _tenant_in_body(environ)) if self.identity.in_body else None)
         except QueueFull as exc:
-            headers, body = refusal(exc, environ.get("PATH_INFO", ""), environ.get("HTTP_X_REQUEST_ID"))
+            headers, body = refusal(exc, environ.get("PATH_INFO", ""), environ.get("HTTP_X_REQUEST_ID"),
+                                    environ["llmb.arrived_at"])
             start_response(f"{status_of(exc.type)} Too Many Requests", headers)
             return [body]
         try:
@@ -109,10 +111,16 @@ class DoorMiddleware:
             raise
 
 
-def refusal(error: QueueFull, path: str, request_id: str | None) -> tuple[list[tuple[str, str]], bytes]:
-    """A door's ready-made 429: its headers and JSON body (the native or OpenAI shape, by path)."""
+def refusal(error: QueueFull, path: str, request_id: str | None,
+            arrived_at: float | None = None) -> tuple[list[tuple[str, str]], bytes]:
+    """A door's ready-made 429: its headers and JSON body (the native or OpenAI shape, by path). It is counted,
+    and its time from the request's arrival (``arrived_at``, monotonic; None: now) goes into the latency
+    histogram beside the calls Flask answers: most refusals under a flood are the door's, and without them the
+    histogram's 429 series told only of the few that reached Flask."""
     # no log line: it would cost more than the refusal
-    HTTP_REQUESTS.labels(str(status_of(error.type)), error.type).inc()
+    status = str(status_of(error.type))
+    HTTP_REQUESTS.labels(status, error.type).inc()
+    REQUEST_LATENCY.labels(status).observe(0.0 if arrived_at is None else max(0.0, time.monotonic() - arrived_at))
     request_id = request_id_from(request_id)
     shape = NATIVE if path == "/v1/infer" else OPENAI
     body = json.dumps(shape.of(error, request_id)).encode()

@@ -96,23 +96,25 @@ class Arrivals:
             return len(self.unstarted), unstarted_s
         return len(self.unstarted) + self.intake.waiting, max(unstarted_s, self.intake.expected_wait_s())
 
-    def judged(self, sock: Any, waited_s: float | None = None, arriving: bool = False) -> AtDoor:
+    def judged(self, sock: Any, waited_s: float | None = None, arriving: bool = False,
+               accepted_at: float | None = None) -> AtDoor:
         """What ``at_accept`` did with the request on ``sock`` (true when it answered it): just accepted (no
-        greenlet yet), ``arriving`` (its bytes have just come, on the connection's greenlet), or at its turn
-        (``waited_s``). A defect of its own sends the request the usual way (logged), never takes the connection
-        down."""
+        greenlet yet, at ``accepted_at``), ``arriving`` (its bytes have just come, on the connection's greenlet),
+        or at its turn (``waited_s``). A defect of its own sends the request the usual way (logged), never takes
+        the connection down."""
         at_accept = self.at_accept
         assert at_accept is not None
         try:
+            if accepted_at is not None:
+                return at_accept(sock, arrived_at=accepted_at)
+            arrived = arrived_at(getattr(_connection, "accepted_at", None), getattr(_connection, "seen_at", None))
             if arriving:
                 _connection.in_line = False
-                arrived = arrived_at(getattr(_connection, "accepted_at", None), getattr(_connection, "seen_at", None))
                 outcome = at_accept(sock, waited_s, arriving=True, arrived_at=arrived)
                 _connection.in_line = outcome is AtDoor.IN_LINE
-            elif waited_s is not None:
-                outcome = at_accept(sock, waited_s, in_line=getattr(_connection, "in_line", False))
             else:
-                outcome = at_accept(sock)
+                outcome = at_accept(sock, waited_s, in_line=getattr(_connection, "in_line", False),
+                                    arrived_at=arrived)
             return outcome
         except Exception:
             logging.getLogger("llmb.web").exception("the door at accept failed on a request; it goes the usual way")
@@ -136,7 +138,7 @@ class _TimedServer(StreamServer):
 
     def do_handle(self, *args: Any) -> None:
         accepted_at, handle, arrivals = time.monotonic(), self._handle, self.arrivals
-        if arrivals.at_accept is not None and arrivals.judged(args[0]):
+        if arrivals.at_accept is not None and arrivals.judged(args[0], accepted_at=accepted_at):
             if connections.unread(args[0]):  # requests pipelined behind the refused one: a lingering close
                 gevent.spawn(self._linger_then_close, *args)
             else:

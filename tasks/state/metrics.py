@@ -33,7 +33,8 @@ from tasks.state.quarantine import Quarantine
 
 BATCH_SIZE_BUCKETS = (1.0, 2.0, 5.0, 10.0, 20.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)
 RUN_SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-LATENCY_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
+# from 5 ms: a refusal's answer is judged against tens of milliseconds (the 429s of a steady overload)
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 HTTP_REQUESTS = Counter("llmb_http_requests", "Inference calls answered, by HTTP status and error type.",
                         ["status", "type"])
