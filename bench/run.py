@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import Any, TypedDict
 
+from harness import refusal_times
 from harness.helpers import decoded
 from harness.stack import Stack, free_port, wait_for
 from harness.stats import percentile
@@ -136,6 +137,7 @@ class Bench:
         rate = self.capacity * pct / 100
         services = stack is not None  # the reference uses neither RabbitMQ nor Redis
         cpu0, m0, t0 = cpu_by_process(groups, services), batch_metrics(stack) if stack else None, time.monotonic()
+        timed = refusal_times.scrape(url) if stack else None
         result = load(url, rate, a.duration, a.timeout_ms, self.out / f"{name}.requests.json",
                       client_timeout_ms=a.client_timeout_ms, keep_alive=a.keep_alive, **extra)
         wall, cpu1 = time.monotonic() - t0, cpu_by_process(groups, services)
@@ -144,6 +146,8 @@ class Bench:
         split = {role: round((cpu1[role] - cpu0.get(role, 0.0)) * 1000 / sent, 3) for role in cpu1}
         summary.update(name=name, offered_pct=pct, wall_s=round(wall, 2),
                        cpu_ms_per_request=round(sum(split.values()), 3), cpu_ms_per_request_by_process=split)
+        if timed is not None:  # the service's own timing of its 429s, from their arrival
+            summary["server_429"] = refusal_times.refusals_since(timed, refusal_times.scrape(url))
         if stack is not None and m0 is not None:
             m1 = batch_metrics(stack)
             batches, items = m1["batches"] - m0["batches"], m1["items"] - m0["items"]
@@ -269,6 +273,9 @@ def targets(bench: Bench) -> list[tuple[str, str, str, bool | None]]:
         p99_429 = s["refused_latency_ms"]["p99"]
         rows.append((f"{pct}% load: 429 latency p99", "≤ 20 ms", f"{p99_429} ms" if p99_429 else "no 429",
                      None if p99_429 is None else p99_429 <= 20))
+        if (within := (s.get("server_429") or {}).get("within_20ms")) is not None:
+            rows.append((f"{pct}% load: 429s answered within 20 ms of arrival, as the service timed them", "≥ 99%",
+                         f"{100 * within:.1f}%", within >= 0.99))
     late = sum(v.get("late_over_100ms", 0) for k, v in r.items() if k.startswith(("system", "poison", "fault")))
     rows.append(("callers answered > 100 ms after their deadline", "0", str(late), late == 0))
     return rows

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from flask.testing import FlaskClient
 from prometheus_client import REGISTRY
 
 from harness.helpers import assert_json_error, expected, post
-from harness.stack import ROOT, Stack, running_stack, wait_for
+from harness.stack import BROKER_URL, REDIS_URL, ROOT, Stack, running_stack, wait_for
 from tasks.config import Settings
 from tasks.errors import InvalidInput, Overloaded, QueueFull, Unavailable
 from tasks.gateway.admission_queue import ROOM_ADMITS_PER_S
@@ -315,6 +316,26 @@ def stand(queue: Any, clock: FakeClock) -> None:
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.OK, 1500, None)
     clock.advance(queue.settings.admission.queue_interval_s + 0.1)
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.FULL, 1500, None)
+
+
+def test_a_new_api_process_reads_the_fleet_at_start_so_its_first_burst_does_not_wait_for_it(tmp_path: Path) -> None:
+    """gunicorn's worker hook reads the fleet once (:meth:`Services.read_fleet`): a process that had never read it
+    placed nothing of its first burst until one read came back, behind every call of the burst (0.2-0.35 s each,
+    traced). A Redis away at start is no failure: the first call reads it then."""
+    from webapp.services import Services
+
+    settings = Settings.of(namespace=f"start-{uuid.uuid4().hex[:8]}", redis_url=REDIS_URL, broker_url=BROKER_URL,
+                           database_url=f"sqlite:///{tmp_path / 'llmb.db'}")
+    fresh = Services.from_settings(settings)
+    fresh.fleet.beat(WorkerInfo(id="gpu0@start", queue="q", model="sim", max_batch=8, state="idle", outstanding=0,
+                                completed=1, batch_started_at=None, batch_ms_estimate=10.0,
+                                heartbeat_at=fresh.clock()))
+    assert fresh.workers.last == []
+    fresh.read_fleet()
+    assert [w.id for w in fresh.workers.last] == ["gpu0@start"]
+    away = Services.from_settings(settings.but(redis_url="redis://127.0.0.1:1/0"))
+    away.read_fleet()
+    assert away.workers.last == []
 
 
 def test_a_standing_line_keeps_the_margin_and_a_burst_fills_the_deadline(tmp_path: Path) -> None:

@@ -139,10 +139,14 @@ def serve_metrics(inherited: socket.socket, app: Any) -> None:
 
 
 def post_worker_init(worker: Any) -> None:
+    import gevent
+
     from tasks.heap import settle
+    from webapp.services import services
 
     if _metrics_listener is not None:
         serve_metrics(_metrics_listener, worker.wsgi)
+    gevent.spawn(services(worker.wsgi).read_fleet)  # before a first burst needs it, without holding up the start
     settle()  # the app is loaded: freeze it out of the garbage collector's full collections
 
 

@@ -2,6 +2,7 @@
 :func:`services`: one typed object instead of loose string keys in ``app.extensions``."""
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -102,6 +103,16 @@ class Services:
                    door=door_from_settings(settings, gate, arrivals.backlog),
                    arrivals=arrivals,
                    metrics=metrics_registry(settings, fleet, admission, clock, publisher, keys))
+
+    def read_fleet(self) -> None:
+        """Read the fleet's view once, as the process starts: the door places a burst's calls by it, and a process
+        that has never read it makes its first burst wait for one read, behind every call of the burst (measured:
+        each call of a 3,000-call burst landing on a fresh process waited 0.2-0.35 s for it, their refusals with
+        them). Redis away: the first call reads it, as before."""
+        try:
+            self.workers.get()
+        except Exception:  # only an early read: the first call tries again, and answers any error
+            logging.getLogger("llmb.web").info("the fleet could not be read at start; the first call reads it")
 
     def served_models(self) -> set[str]:
         """The models live workers serve (this process's cached view of the fleet)."""
