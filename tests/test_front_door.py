@@ -318,10 +318,12 @@ def stand(queue: Any, clock: FakeClock) -> None:
     queue.decided("sim", Priority.INTERACTIVE, AdmissionVerdict.FULL, 1500, None)
 
 
-def test_a_new_api_process_reads_the_fleet_at_start_so_its_first_burst_does_not_wait_for_it(tmp_path: Path) -> None:
-    """gunicorn's worker hook reads the fleet once (:meth:`Services.read_fleet`): a process that had never read it
-    placed nothing of its first burst until one read came back, behind every call of the burst (0.2-0.35 s each,
-    traced). A Redis away at start is no failure: the first call reads it then."""
+def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """gunicorn's worker hook reads the fleet and starts the lease and the result listener (:meth:`Services.warm_up`):
+    a process that had never done so did it in its first burst, behind every call of the burst (0.2-0.35 s for
+    the fleet read, 0.09 and 0.15-0.26 s for the two starts, traced). A Redis away at start is no failure: the
+    first call reads the fleet then."""
     from webapp.services import Services
 
     settings = Settings.of(namespace=f"start-{uuid.uuid4().hex[:8]}", redis_url=REDIS_URL, broker_url=BROKER_URL,
@@ -331,11 +333,14 @@ def test_a_new_api_process_reads_the_fleet_at_start_so_its_first_burst_does_not_
                                 completed=1, batch_started_at=None, batch_ms_estimate=10.0,
                                 heartbeat_at=fresh.clock()))
     assert fresh.workers.last == []
-    fresh.read_fleet()
+    fresh.warm_up()
     assert [w.id for w in fresh.workers.last] == ["gpu0@start"]
+    assert {"admission-lease", "result listener"} <= {t.name for t in threading.enumerate()}
     away = Services.from_settings(settings.but(redis_url="redis://127.0.0.1:1/0"))
-    away.read_fleet()
-    assert away.workers.last == []
+    started: list[bool] = []
+    monkeypatch.setattr(away.gateway, "start", lambda: started.append(True))  # its threads would retry for good
+    away.warm_up()
+    assert away.workers.last == [] and started == [True]
 
 
 def test_a_standing_line_keeps_the_margin_and_a_burst_fills_the_deadline(tmp_path: Path) -> None:

@@ -69,15 +69,6 @@ class AcceptDoor:
         ``in_line``: such a request at its intake turn, ``delay`` after its arrival: only lateness refuses it then
         (its line was judged when it arrived; the expected wait at the gate would judge it twice). The door in
         front of Flask (:class:`webapp.door.DoorMiddleware`) still judges it by that wait."""
-        _t0 = time.monotonic()
-        _out = self._inner(sock, delay, arriving=arriving, arrived_at=arrived_at, in_line=in_line)
-        import os
-        with open(f"/tmp/trace/{os.getpid()}.txt", "a") as f:
-            f.write(f"{arrived_at or 0.0:.4f} {_t0:.4f} {time.monotonic():.4f} {int(arriving)} {int(in_line)} {_out.value}\n")
-        return _out
-
-    def _inner(self, sock: socket.socket, delay: float | None = None, *, arriving: bool = False,
-                 arrived_at: float | None = None, in_line: bool = False) -> AtDoor:
         judging = arriving and self.shedding is not None
         late_only = in_line and delay is not None
         behind = self.door.lateness(delay).late if late_only else self.door.behind_at_accept(delay)  # type: ignore[arg-type]

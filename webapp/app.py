@@ -153,9 +153,6 @@ def log_outcome(response: Response) -> None:
     HTTP_REQUESTS.labels(str(response.status_code), error_type).inc()
     REQUEST_LATENCY.labels(str(response.status_code)).observe(elapsed)
     if response.status_code == 429:
-        import os
-        with open(f"/tmp/trace/flask-{os.getpid()}.txt", "a") as f:
-            f.write(f"{g.get('started', 0):.4f} {time.monotonic():.4f} {error_type}\n")
         principal = g.get("principal")
         count_refusal(principal.tenant.name if principal is not None else g.get("claimed_tenant") or "default",
                       error_type)

@@ -146,7 +146,7 @@ def post_worker_init(worker: Any) -> None:
 
     if _metrics_listener is not None:
         serve_metrics(_metrics_listener, worker.wsgi)
-    gevent.spawn(services(worker.wsgi).read_fleet)  # before a first burst needs it, without holding up the start
+    gevent.spawn(services(worker.wsgi).warm_up)  # before a first burst needs it, without holding up the start
     settle()  # the app is loaded: freeze it out of the garbage collector's full collections
 
 

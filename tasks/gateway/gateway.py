@@ -212,6 +212,13 @@ class Gateway:
         """The tenant's call of this id (None: unknown to this tenant, or expired)."""
         return self._replays.lookup(tenant, request_id)
 
+    def start(self) -> None:
+        """Start what the first admitted call would start in its round: the admission lease's renewal and the
+        result listener (each a thread, a greenlet under gevent, whose start yields to the event loop). Called
+        as an API process starts (:meth:`webapp.services.Services.warm_up`); either starts once."""
+        self._lease.keep()
+        self._listener.start()
+
     # -- admission -------------------------------------------------------------------------------------
     def _enter(self, call: Call, shape: Shape, idempotency: Idempotency | None, *, follow: bool) -> Entered | Answer:
         """Admit and publish a call (recording it); or, for an idempotent retry, the first call's answer.
