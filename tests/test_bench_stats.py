@@ -53,3 +53,15 @@ def test_rounded_keeps_none() -> None:
     assert rounded(1.26) == 1.3
     assert rounded(1.23456, 2) == 1.23
     assert rounded(1234.5678, 0) == 1235.0
+
+
+def test_the_services_own_refusal_times_between_two_scrapes() -> None:
+    """harness/refusal_times.py: the 429s between two scrapes of the cumulative buckets, their share within 20 ms
+    and 1 s of arrival, and the bucket their p99 falls under."""
+    from harness.refusal_times import refusals_since
+
+    inf = float("inf")
+    before = {0.005: 10.0, 0.02: 10.0, 0.5: 10.0, 1.0: 10.0, inf: 10.0}
+    after = {0.005: 60.0, 0.02: 90.0, 0.5: 108.0, 1.0: 109.0, inf: 110.0}  # 100 more: 80 within 20 ms, 99 in 1 s
+    assert refusals_since(before, after) == {"count": 100, "within_20ms": 0.8, "within_1s": 0.99, "p99_under_s": 1.0}
+    assert refusals_since(after, after) == {"count": 0, "within_20ms": None, "within_1s": None, "p99_under_s": None}
