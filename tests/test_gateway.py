@@ -7,6 +7,7 @@ tests/test_front_door.py); here each of its rules is tested by itself.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, cast
@@ -324,6 +325,41 @@ def test_the_fleet_knows_every_model_in_its_hash_and_lately_seen_reading_it_rare
     clock.advance(KNOWN_FOR_S)
     cache.get()
     assert not cache.knows("down", 0.1) and cache.knows(MODEL, 0.1)
+
+
+def test_a_caller_that_finds_the_fleet_being_read_for_a_new_model_waits_for_that_read() -> None:
+    """Two calls for a model whose worker has just joined, into a view read before it did (an API process reads
+    the fleet as it starts): the first reads the hash again; the second, coming while that read is in flight,
+    used to answer from the old view, a 404 (CI). It waits for the read and knows the model; the hash is read
+    once."""
+    clock = FakeClock()
+    fake = FakeFleet([])
+    fake.stale_after_s = 1e6
+    cache = FleetCache(cast(Fleet, fake), 1.0, clock=clock, wallclock=clock)
+    assert cache.get() == []  # read as the process started: no worker yet
+    fake.workers = [worker()]  # the worker joins
+    reading, release, reads = threading.Event(), threading.Event(), [0]
+
+    def slow_read() -> list[WorkerInfo]:
+        reads[0] += 1
+        reading.set()
+        release.wait(10)  # the read waits for Redis; other callers come meanwhile
+        return list(fake.workers)
+
+    fake.all = slow_read  # type: ignore[method-assign]
+    first: list[bool] = []
+    reader = threading.Thread(target=lambda: first.append(cache.knows(MODEL, 0.1)))
+    reader.start()
+    assert reading.wait(10)
+    second: list[bool] = []
+    waiter = threading.Thread(target=lambda: second.append(cache.knows(MODEL, 0.1)))
+    waiter.start()
+    waiter.join(0.2)
+    assert waiter.is_alive() and second == [], "the second caller waits for the read in flight"
+    release.set()
+    reader.join(10)
+    waiter.join(10)
+    assert first == [True] and second == [True] and reads == [1]
 
 
 def test_the_queue_drops_the_lines_of_models_no_longer_served(rig: Rig) -> None:

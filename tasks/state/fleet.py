@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
@@ -159,16 +160,22 @@ class FleetCache:
         self._read_at: float | None = None
         self._known: dict[str, float] = {}  # each model in the hash at the last reads -> when last seen there
         self._checked_at = -math.inf  # when the hash was last read for a model not known
+        self._checking = threading.Lock()  # that read: one at a time (gevent's lock in the API processes)
 
     def knows(self, model: str, recheck_after_s: float) -> bool:
         """Whether ``model`` is served, or was lately (:data:`KNOWN_FOR_S`), by a worker in the fleet hash, live or
         not: a dictionary lookup, the hash read again only when not found and the last read is older than
         ``recheck_after_s`` (a new worker's model is known at once, a flood of unknown names reads it rarely).
-        Redis errors propagate."""
-        now = self.clock()
-        if model not in self._known and now - self._checked_at > recheck_after_s:
-            self._checked_at = now  # before the read: the callers meanwhile do not read it too
-            self.get(fresh=True)
+        A caller that finds that read in flight waits for it and looks again, rather than read it too or answer
+        from the view before it: answering then, the second of two calls for a model whose worker had just
+        joined got a 404 (CI, a process that read the fleet as it started, before the worker was up). Redis
+        errors propagate."""
+        if model in self._known:
+            return True
+        with self._checking:
+            if model not in self._known and self.clock() - self._checked_at > recheck_after_s:
+                self._checked_at = self.clock()
+                self.get(fresh=True)
         return model in self._known
 
     def get(self, fresh: bool = False) -> list[WorkerInfo]:
