@@ -1,5 +1,7 @@
 """The service's own view of how fast it refused: ``llmb_request_duration_seconds{status="429"}`` from /metrics,
-timed in the API processes from each request's arrival (the kernel's stamp) to its 429.
+timed in the API processes from each request's arrival to its 429. A request arrives when its first byte reached
+the host (the kernel's stamp), or at its connection's accept when that came later: time in the listen queue
+before the accept is not counted.
 
 A client on the same two cores as the service adds its own delay to every answer it times: sending 3,000 calls
 at once, aiohttp spends 1.5 CPU-s before its last call is out and reads the refusals only when its loop gets
@@ -19,7 +21,9 @@ SERIES = "llmb_request_duration_seconds"
 
 def scrape(url: str) -> dict[float, float]:
     """The 429 series's cumulative bucket counts now: upper bound (s) -> calls at or under it."""
-    text = requests.get(f"{url}/metrics", timeout=30).text
+    page = requests.get(f"{url}/metrics", timeout=30)
+    page.raise_for_status()  # served elsewhere (LLMB_METRICS_BIND): no figures here to read
+    text = page.text
     buckets: dict[float, float] = {}
     for family in text_string_to_metric_families(text):
         if family.name != SERIES:

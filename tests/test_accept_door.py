@@ -368,3 +368,32 @@ def test_a_timeout_no_call_may_give_is_left_to_its_400_not_judged_at_accept(
     assert judged(b'{"input": "x", "timeout_ms": 5000}') is not None
     for number in (b"1e400", b"Infinity", b"NaN", b"1e308", b"1" + b"0" * 5000):
         assert judged(b'{"input": "x", "timeout_ms": ' + number + b"}") is None, number[:10]
+
+
+def test_the_worker_hands_the_door_each_requests_arrival_at_accept_on_arrival_and_at_its_turn() -> None:
+    """What times a refusal (:meth:`Arrivals.judged`): the accept's time for a just-accepted connection; on the
+    connection's greenlet, its first byte's stamp (or the accept, if later), both when its bytes arrive and at
+    its turn at intake."""
+    from webapp import worker
+
+    seen: list[tuple[float | None, bool, float | None, bool]] = []
+
+    class Recording:
+        def __call__(self, sock: object, delay: float | None = None, *, arriving: bool = False,
+                     arrived_at: float | None = None, in_line: bool = False) -> AtDoor:
+            seen.append((delay, arriving, arrived_at, in_line))
+            return AtDoor.IN_LINE if arriving else AtDoor.USUAL
+
+        def caller(self, sock: object) -> str:
+            return ""
+
+    arrivals = Arrivals()
+    arrivals.at_accept = Recording()
+    arrivals.judged(object(), accepted_at=5.0)
+    worker._connection.accepted_at, worker._connection.seen_at = 7.0, 7.5  # accepted, then its first byte came
+    arrivals.judged(object(), None, True)
+    arrivals.judged(object(), 0.3)  # its turn, 0.3 s on: let in by its line on arrival
+    worker._connection.accepted_at, worker._connection.seen_at = 9.0, 8.0  # its bytes waited in the listen queue
+    arrivals.judged(object(), None, True)
+    assert seen == [(None, False, 5.0, False), (None, True, 7.5, False), (0.3, False, 7.5, True),
+                    (None, True, 9.0, False)]

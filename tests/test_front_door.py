@@ -38,6 +38,7 @@ from tasks.policy.capacity import deadline_cap, full_batches_margin, left_after
 from tasks.policy.refusal import FULL_HOLD_S, AdmissionVerdict
 from tasks.policy.room import Placed
 from tasks.schema import Priority, WorkerInfo
+from tasks.state.keys import Keys
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import KeyStore
 from tests.fakes import FakeClock
@@ -335,7 +336,12 @@ def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_fo
     assert fresh.workers.last == []
     fresh.warm_up()
     assert [w.id for w in fresh.workers.last] == ["gpu0@start"]
-    assert {"admission-lease", "result listener"} <= {t.name for t in threading.enumerate()}
+    # the lease is renewed in Redis, and the result listener subscribes to this process's channel
+    wait_for(lambda: fresh.client.zscore(fresh.admission.leases_key, fresh.admission.instance) is not None, 10,
+             "the process's admission lease")
+    replies = Keys.from_settings(settings).replies(fresh.admission.instance)
+    wait_for(lambda: dict(fresh.client.pubsub_numsub(replies)).get(replies.encode()) == 1, 10,
+             "the result listener's subscription")
     away = Services.from_settings(settings.but(redis_url="redis://127.0.0.1:1/0"))
     started: list[bool] = []
     monkeypatch.setattr(away.gateway, "start", lambda: started.append(True))  # its threads would retry for good

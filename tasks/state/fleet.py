@@ -161,6 +161,7 @@ class FleetCache:
         self._known: dict[str, float] = {}  # each model in the hash at the last reads -> when last seen there
         self._checked_at = -math.inf  # when the hash was last read for a model not known
         self._checking = threading.Lock()  # that read: one at a time (gevent's lock in the API processes)
+        self._reads = 0  # reads of the hash ended so far
 
     def knows(self, model: str, recheck_after_s: float) -> bool:
         """Whether ``model`` is served, or was lately (:data:`KNOWN_FOR_S`), by a worker in the fleet hash, live or
@@ -172,8 +173,10 @@ class FleetCache:
         errors propagate."""
         if model in self._known:
             return True
+        reads = self._reads  # a read that ends while this caller waits is the one it looks at
         with self._checking:
-            if model not in self._known and self.clock() - self._checked_at > recheck_after_s:
+            if model not in self._known and self._reads == reads \
+                    and self.clock() - self._checked_at > recheck_after_s:
                 self._checked_at = self.clock()
                 self.get(fresh=True)
         return model in self._known
@@ -198,6 +201,7 @@ class FleetCache:
             self._read_at = now
             self._known = {m: t for m, t in self._known.items() if now - t <= KNOWN_FOR_S}
             self._known.update((w.model, now) for w in everyone)
+            self._reads += 1
         return self.last
 
     def keep(self) -> list[WorkerInfo]:
