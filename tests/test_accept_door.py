@@ -389,11 +389,16 @@ def test_the_worker_hands_the_door_each_requests_arrival_at_accept_on_arrival_an
 
     arrivals = Arrivals()
     arrivals.at_accept = Recording()
-    arrivals.judged(object(), accepted_at=5.0)
-    worker._connection.accepted_at, worker._connection.seen_at = 7.0, 7.5  # accepted, then its first byte came
-    arrivals.judged(object(), None, True)
-    arrivals.judged(object(), 0.3)  # its turn, 0.3 s on: let in by its line on arrival
-    worker._connection.accepted_at, worker._connection.seen_at = 9.0, 8.0  # its bytes waited in the listen queue
-    arrivals.judged(object(), None, True)
+    connection = worker._connection  # this greenlet's: what a later test's request here would read as its arrival
+    try:
+        arrivals.judged(object(), accepted_at=5.0)
+        connection.accepted_at, connection.seen_at = 7.0, 7.5  # accepted, then its first byte came
+        arrivals.judged(object(), None, True)
+        arrivals.judged(object(), 0.3)  # its turn, 0.3 s on: let in by its line on arrival
+        connection.accepted_at, connection.seen_at = 9.0, 8.0  # its bytes waited in the listen queue
+        arrivals.judged(object(), None, True)
+    finally:
+        connection.accepted_at = connection.seen_at = None
+        connection.in_line = False
     assert seen == [(None, False, 5.0, False), (None, True, 7.5, False), (0.3, False, 7.5, True),
                     (None, True, 9.0, False)]
