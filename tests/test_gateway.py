@@ -370,6 +370,39 @@ def test_a_caller_that_finds_the_fleet_being_read_for_a_new_model_waits_for_that
     assert all(answer == [False] for answer in answers.values()) and reads == [1]
 
 
+def test_an_old_view_of_the_fleet_is_read_again_by_one_caller_the_others_go_on_with_it() -> None:
+    """Under a burst every arrival found the view old at once and read the hash (hundreds of reads, traced),
+    taking the process's Redis connections from the admission rounds. One caller reads; those coming while its
+    read is in flight take the view before it, without waiting; a caller asking for a fresh view still reads."""
+    clock = FakeClock()
+    fake = FakeFleet([worker()])
+    fake.stale_after_s = 1e6
+    cache = FleetCache(cast(Fleet, fake), 1.0, clock=clock, wallclock=clock)
+    assert [w.model for w in cache.get()] == [MODEL]
+    clock.advance(2.0)  # the view is old
+    fake.workers = [worker(), worker("other")]
+    reading, release, reads = threading.Event(), threading.Event(), [0]
+
+    def slow_read() -> list[WorkerInfo]:
+        reads[0] += 1
+        reading.set()
+        release.wait(10)
+        return list(fake.workers)
+
+    fake.all = slow_read  # type: ignore[method-assign]
+    seen: list[list[str]] = []
+    reader = threading.Thread(target=lambda: seen.append([w.model for w in cache.get()]))
+    reader.start()
+    assert reading.wait(10)
+    others = [[w.model for w in cache.get()] for _ in range(20)]  # would block on the read, were they to read
+    assert others == [[MODEL]] * 20 and reads == [1]
+    release.set()
+    reader.join(10)
+    assert seen == [[MODEL, "other"]] and reads == [1]
+    fake.all = lambda: list(fake.workers)  # type: ignore[method-assign]
+    assert len(cache.get()) == 2 and len(cache.get(fresh=True)) == 2
+
+
 def test_the_queue_drops_the_lines_of_models_no_longer_served(rig: Rig) -> None:
     fleet = cast(FakeFleet, rig.queue.workers.fleet)
     fleet.workers.append(worker("other"))
