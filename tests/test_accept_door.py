@@ -371,17 +371,18 @@ def test_a_timeout_no_call_may_give_is_left_to_its_400_not_judged_at_accept(
 
 
 def test_the_worker_hands_the_door_each_requests_arrival_at_accept_on_arrival_and_at_its_turn() -> None:
-    """What times a refusal (:meth:`Arrivals.judged`): the accept's time for a just-accepted connection; on the
-    connection's greenlet, its first byte's stamp (or the accept, if later), both when its bytes arrive and at
-    its turn at intake."""
+    """What times a refusal (:meth:`Arrivals.judged`): the accept's time for a just-accepted connection (judged
+    as arriving, if its bytes are there); on the connection's greenlet, its first byte's stamp (or the accept, if
+    later), both when its bytes arrive and at its turn at intake. A request judged as its connection was accepted
+    is not judged again as it arrives: that verdict stands (it counts once in its line)."""
     from webapp import worker
 
-    seen: list[tuple[float | None, bool, float | None, bool]] = []
+    seen: list[tuple[float | None, bool, float | None, bool, bool]] = []
 
     class Recording:
         def __call__(self, sock: object, delay: float | None = None, *, arriving: bool = False,
-                     arrived_at: float | None = None, in_line: bool = False) -> AtDoor:
-            seen.append((delay, arriving, arrived_at, in_line))
+                     arrived_at: float | None = None, in_line: bool = False, at_accept: bool = False) -> AtDoor:
+            seen.append((delay, arriving, arrived_at, in_line, at_accept))
             return AtDoor.IN_LINE if arriving else AtDoor.USUAL
 
         def caller(self, sock: object) -> str:
@@ -397,8 +398,43 @@ def test_the_worker_hands_the_door_each_requests_arrival_at_accept_on_arrival_an
         arrivals.judged(object(), 0.3)  # its turn, 0.3 s on: let in by its line on arrival
         connection.accepted_at, connection.seen_at = 9.0, 8.0  # its bytes waited in the listen queue
         arrivals.judged(object(), None, True)
+        connection.in_line, connection.placed = False, AtDoor.IN_LINE  # let in by its line as it was accepted
+        assert arrivals.judged(object(), None, True) is AtDoor.IN_LINE
+        assert connection.in_line and connection.placed is AtDoor.UNSEEN
+        arrivals.judged(object(), 0.2)  # its turn: by lateness only, as let in by its line
     finally:
         connection.accepted_at = connection.seen_at = None
-        connection.in_line = False
-    assert seen == [(None, False, 5.0, False), (None, True, 7.5, False), (0.3, False, 7.5, True),
-                    (None, True, 9.0, False)]
+        connection.in_line, connection.placed = False, AtDoor.UNSEEN
+    assert seen == [(None, True, 5.0, False, True), (None, True, 7.5, False, False), (0.3, False, 7.5, True, False),
+                    (None, True, 9.0, False, False), (0.2, False, 9.0, True, False)]
+
+
+def test_a_condition_on_a_plain_lock_checks_its_owner_without_yielding_to_the_event_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """gevent's lock, tried without blocking while held, yields to the event loop: everything the process has
+    ready runs first. ``threading.Condition`` (behind every ``queue.Queue``: the Redis and broker connection
+    pools; and every ``threading.Semaphore``: the gate's slots) tried its plain lock so on every notify and wait,
+    to check its caller held it; under a burst each connection given back then waited a pass over the burst's
+    arrivals. The API process's worker checks ownership as ``_held`` does: without the attempt."""
+    import gevent
+    import gevent.thread
+
+    from webapp.worker import _held
+
+    ran: list[str] = []
+    lock = gevent.thread.allocate_lock()
+    lock.acquire()
+    gevent.spawn(ran.append, "ready before the attempt")
+    assert not lock.acquire(False) and ran == ["ready before the attempt"], "gevent yielded"
+    lock.release()
+
+    condition = threading.Condition(gevent.thread.allocate_lock())
+    monkeypatch.setattr(threading.Condition, "_is_owned", _held)
+    gevent.spawn(ran.append, "ready before the notify")
+    with condition:
+        condition.notify()
+        assert ran == ["ready before the attempt"], "no yield"
+    with pytest.raises(RuntimeError):  # not held: as the attempt would tell
+        condition.notify()
+    gevent.sleep(0)
+    assert ran[-1] == "ready before the notify"

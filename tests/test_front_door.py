@@ -321,11 +321,12 @@ def stand(queue: Any, clock: FakeClock) -> None:
 
 def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_for_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """gunicorn's worker hook reads the fleet and starts the lease and the result listener (:meth:`Services.warm_up`):
-    a process that had never done so did it in its first burst, behind every call of the burst (0.2-0.35 s for
-    the fleet read, 0.09 and 0.15-0.26 s for the two starts, traced). A Redis away at start is no failure: the
-    first call reads the fleet then."""
-    from webapp.services import Services
+    """gunicorn's worker hook reads the fleet, starts the lease and the result listener and opens broker
+    connections (:meth:`Services.warm_up`): a process that had never done so did it in its first burst, behind
+    every call of the burst (0.2-0.35 s for the fleet read, 0.09 and 0.15-0.26 s for the two starts, 0.1-0.2 s
+    for a connection's first publish, traced). A Redis or RabbitMQ away at start is no failure: the first call
+    reads the fleet, or connects, then."""
+    from webapp.services import WARM_BROKER_CONNECTIONS, Services
 
     settings = Settings.of(namespace=f"start-{uuid.uuid4().hex[:8]}", redis_url=REDIS_URL, broker_url=BROKER_URL,
                            database_url=f"sqlite:///{tmp_path / 'llmb.db'}")
@@ -342,6 +343,18 @@ def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_fo
     replies = Keys.from_settings(settings).replies(fresh.admission.instance)
     wait_for(lambda: dict(fresh.client.pubsub_numsub(replies)).get(replies.encode()) == 1, 10,
              "the result listener's subscription")
+    producers = [fresh.publisher.producers.acquire(block=False) for _ in range(WARM_BROKER_CONNECTIONS + 1)]
+    try:  # the pool's connections open, each with its channel: a publish on one is its own round trip
+        assert [p.connection.connected for p in producers] == [True] * WARM_BROKER_CONNECTIONS + [False]
+        assert all(p.connection.default_channel is not None for p in producers[:WARM_BROKER_CONNECTIONS])
+    finally:
+        for producer in producers:
+            producer.release()
+        fresh.publisher.close()
+    no_broker = Services.from_settings(settings.but(broker_url="amqp://guest:guest@127.0.0.1:1//"))
+    monkeypatch.setattr(no_broker.gateway, "start", lambda: None)  # started above, for the fresh process
+    no_broker.warm_up()  # at once, not retrying: the process must start serving (its calls get the 503)
+    no_broker.publisher.close()
     away = Services.from_settings(settings.but(redis_url="redis://127.0.0.1:1/0"))
     started: list[bool] = []
     monkeypatch.setattr(away.gateway, "start", lambda: started.append(True))  # its threads would retry for good

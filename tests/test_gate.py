@@ -61,6 +61,24 @@ def test_the_door_refuses_before_the_body_a_call_that_could_not_get_its_turn_in_
     assert door.held == 2
 
 
+def test_a_call_the_door_let_in_by_its_line_on_arrival_is_refused_there_only_when_late() -> None:
+    """A call placed in its model's line as it arrived had its turn reckoned then, at the pace the process takes
+    calls through; the gate's expected wait (slots over the mean time in one: a burst's first rounds, held up by
+    the burst's arrivals, read as the process's pace) does not refuse it again in front of Flask. Lateness does."""
+    clock = FakeClock(start=100.0)
+    gate = Gate(slots=4, max_wait_s=1.0, clock=clock)
+    door = Door(limit=100, retry_after_s=1, max_delay_s=1.0, clock=clock, gate=gate)
+    gate.hold_s = 0.4  # 4 slots of 400 ms: 10 calls a second
+    wait(gate, 130, since=clock.now)  # 13 s of queue by that estimate
+    with pytest.raises(Overloaded):
+        door.enter(clock.now)
+    door.enter(clock.now, in_line=True)
+    door.enter(clock.now - 0.9, in_line=True)
+    with pytest.raises(Overloaded) as late:
+        door.enter(clock.now - 1.2, in_line=True)  # got to 1.2 s after it arrived: past the bound
+    assert "behind" in late.value.message and door.held == 2
+
+
 def test_a_light_caller_is_let_in_while_a_heavy_one_is_refused() -> None:
     clock = FakeClock(start=100.0)
     door = Door(limit=10_000, retry_after_s=1, max_delay_s=1.0, clock=clock)

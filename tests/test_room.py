@@ -76,6 +76,36 @@ def test_the_pace_is_of_calls_through_admission_while_others_wait_over_the_last_
     assert room.pace() is None
 
 
+def test_the_pace_reads_at_least_its_starting_figure_in_the_first_second_of_a_busy_spell() -> None:
+    """A burst's first admission rounds wait for the process's connections and turns to be set up: the pace they
+    show is not the process's. Through the first window of a spell of calls through while others wait, the pace
+    is read as at least ``starting``; after it, as measured; a spell after a gap starts again."""
+    clock = FakeClock()
+    room = Room(processes=1, pending_ttl_s=10.0, clock=clock)
+    for _ in range(100):
+        room.let_in(KEY)
+    for _ in range(20):  # 100 a second, the first 0.2 s of the spell
+        clock.advance(0.01)
+        room.ended(KEY)
+    assert room.pace(400.0) == 400.0 and round(room.pace() or 0, 6) == round(20 / 0.19, 6)
+    for _ in range(90):  # on past a whole window at 100 a second
+        clock.advance(0.01)
+        room.ended(KEY)
+    assert round(room.pace(400.0) or 0, 6) == round(room.pace() or 0, 6) < 400.0
+    clock.advance(2.0)  # nothing through for longer than the window: the next calls begin a new spell
+    for _ in range(100):
+        room.let_in(KEY)
+    for _ in range(20):
+        clock.advance(0.01)
+        room.ended(KEY)
+    assert room.pace(400.0) == 400.0
+    for _ in range(300):  # faster than the starting figure: as measured
+        room.let_in(KEY)
+        clock.advance(0.0001)
+        room.ended(KEY)
+    assert (room.pace(400.0) or 0) > 400.0
+
+
 def test_a_flood_of_lines_keeps_at_most_max_lines_idle_ones_evicted_first() -> None:
     clock = FakeClock()
     room = Room(processes=1, pending_ttl_s=3.0, clock=clock, max_lines=8)

@@ -57,7 +57,7 @@ class AcceptDoor:
         self.identity = identity or DoorIdentity()
 
     def __call__(self, sock: socket.socket, delay: float | None = None, *, arriving: bool = False,
-                 arrived_at: float | None = None, in_line: bool = False) -> AtDoor:
+                 arrived_at: float | None = None, in_line: bool = False, at_accept: bool = False) -> AtDoor:
         """Refuse the request on this connection if the door would (by its ``delay`` so far, or by the delay
         expected now), or the gateway would for want of room (REFUSED: answered; the caller closes the
         connection).
@@ -68,15 +68,20 @@ class AcceptDoor:
         ``arrived_at`` also times a refusal from the request's arrival (:func:`webapp.door.refusal`).
         ``in_line``: such a request at its intake turn, ``delay`` after its arrival: only lateness refuses it then
         (its line was judged when it arrived; the expected wait at the gate would judge it twice). The door in
-        front of Flask (:class:`webapp.door.DoorMiddleware`) still judges it by that wait."""
+        front of Flask (:class:`webapp.door.DoorMiddleware`) only by lateness.
+        ``at_accept``: arriving on a connection just accepted, before its greenlet runs (nothing waits for a
+        trailing body there): UNSEEN when it was not judged, its bytes not all there yet."""
         judging = arriving and self.shedding is not None
+        unjudged = AtDoor.UNSEEN if at_accept else AtDoor.USUAL
         late_only = in_line and delay is not None
         behind = self.door.lateness(delay).late if late_only else self.door.behind_at_accept(delay)  # type: ignore[arg-type]
         if not behind and not judging and (self.shedding is None or not self.shedding.any_held()):
-            return AtDoor.USUAL
-        patient = judging and (behind or self.shedding.forming())  # type: ignore[union-attr]
+            return unjudged
+        patient = judging and not at_accept and (behind or self.shedding.forming())  # type: ignore[union-attr]
         request = _arrived_whole(sock, BODY_WAIT_TRIES if patient else 0) if judging else peek_request(sock)
-        if request is None or not self.is_inference(request.path):
+        if request is None:
+            return unjudged
+        if not self.is_inference(request.path):
             return AtDoor.USUAL
         caller = self._caller_of(request)
         if judging:  # every arrival counts towards who sends what (its entry at the door counts it again)

@@ -61,6 +61,7 @@ class AtDoor(Enum):
     REFUSED = "refused"  # answered from its bytes; the connection is closed
     IN_LINE = "in_line"  # let in by its place in its model's line: at its turn only lateness refuses it
     LIGHT = "light"  # a light caller's, on arrival: taken in at once, not behind the line at intake
+    UNSEEN = "unseen"  # at its accept, not all of its bytes there yet: judged as they arrive
 
     def __bool__(self) -> bool:
         return self is AtDoor.REFUSED

@@ -23,7 +23,7 @@ from tasks.state.metrics import HTTP_REQUESTS, REQUEST_LATENCY
 from webapp.errors import NATIVE, OPENAI, status_of
 from webapp.peek import PEEK_MAX_BYTES, tenant_of
 from webapp.validation import bearer_token, request_id_from
-from webapp.worker import arrival
+from webapp.worker import arrival, placed_on_arrival
 
 if TYPE_CHECKING:
     from _typeshed.wsgi import StartResponse, WSGIEnvironment
@@ -94,11 +94,13 @@ class DoorMiddleware:
 
     def __call__(self, environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
         environ["llmb.arrived_at"], ready_at = arrival()
+        in_line = placed_on_arrival()
         if environ.get("REQUEST_METHOD") != "POST" or not self.is_inference(environ.get("PATH_INFO", "")):
             return self.app(environ, start_response)
         try:
             caller = self.identity(environ.get("HTTP_AUTHORIZATION"), environ.get("HTTP_X_TENANT"))
-            self.door.enter(ready_at, caller, (lambda: _tenant_in_body(environ)) if self.identity.in_body else None)
+            self.door.enter(ready_at, caller, (lambda: _tenant_in_body(environ)) if self.identity.in_body else None,
+                            in_line=in_line)
         except QueueFull as exc:
             headers, body = refusal(exc, environ.get("PATH_INFO", ""), environ.get("HTTP_X_REQUEST_ID"),
                                     environ["llmb.arrived_at"])

@@ -39,6 +39,9 @@ from webapp.errors import status_of
 from webapp.worker import Arrivals
 
 EXTENSION = "llmb"  # the one key in app.extensions
+# broker connections an API process opens as it starts: a round's publish, and the next round's while the first
+# waits for its confirm
+WARM_BROKER_CONNECTIONS = 2
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,10 @@ class Services:
         except Exception:  # only an early read: the first call tries again, and answers any error
             logging.getLogger("llmb.web").info("the fleet could not be read at start; the first call reads it")
         self.gateway.start()
+        try:
+            self.publisher.open(WARM_BROKER_CONNECTIONS)
+        except Exception:  # RabbitMQ away: the first publish connects, as before
+            logging.getLogger("llmb.web").info("RabbitMQ could not be reached at start; the first call connects")
 
     def served_models(self) -> set[str]:
         """The models live workers serve (this process's cached view of the fleet)."""

@@ -32,8 +32,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import logging
+import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -54,6 +55,7 @@ from webapp.intake import Intake
 
 _connection = local()  # per greenlet (gevent's own: this module loads in gunicorn's master, before patching)
 ACCEPT_BATCH = 64  # connections accepted per wake-up of the listening socket
+START_BATCH = 48  # connections whose greenlets start per pass of the event loop over what it has ready
 # answers to a request whose body was not read (too slow, too large): the connection ends (lingering), rather
 # than reading and dropping a body that may never end
 CLOSING_STATUSES = frozenset({408, 413, 507})
@@ -63,7 +65,7 @@ class DoorAtAccept(Protocol):
     """What judges a request from its bytes (:class:`webapp.accept_door.AcceptDoor`)."""
 
     def __call__(self, sock: Any, delay: float | None = None, *, arriving: bool = False,
-                 arrived_at: float | None = None, in_line: bool = False) -> AtDoor: ...
+                 arrived_at: float | None = None, in_line: bool = False, at_accept: bool = False) -> AtDoor: ...
 
     def caller(self, sock: Any) -> str: ...
 
@@ -106,8 +108,13 @@ class Arrivals:
         assert at_accept is not None
         try:
             if accepted_at is not None:
-                return at_accept(sock, arrived_at=accepted_at)
+                return at_accept(sock, arriving=True, arrived_at=accepted_at, at_accept=True)
             arrived = arrived_at(getattr(_connection, "accepted_at", None), getattr(_connection, "seen_at", None))
+            placed = getattr(_connection, "placed", AtDoor.UNSEEN)
+            if arriving and placed is not AtDoor.UNSEEN:  # judged as it was accepted, its bytes all there then
+                _connection.placed = AtDoor.UNSEEN
+                _connection.in_line = placed is AtDoor.IN_LINE
+                return placed
             if arriving:
                 _connection.in_line = False
                 outcome = at_accept(sock, waited_s, arriving=True, arrived_at=arrived)
@@ -136,14 +143,22 @@ class _TimedServer(StreamServer):
     max_accept = property(lambda self: ACCEPT_BATCH, lambda self, value: None)  # gunicorn's 1 is ignored
     arrivals: Arrivals
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._starting: deque[tuple[object, Callable[..., Any], tuple[Any, ...]]] = deque()  # accepted, to start
+        self._pumping = False  # _start_in_turn is running
+
     def do_handle(self, *args: Any) -> None:
         accepted_at, handle, arrivals = time.monotonic(), self._handle, self.arrivals
-        if arrivals.at_accept is not None and arrivals.judged(args[0], accepted_at=accepted_at):
-            if connections.unread(args[0]):  # requests pipelined behind the refused one: a lingering close
-                gevent.spawn(self._linger_then_close, *args)
-            else:
-                self.do_close(*args)
-            return
+        placed = AtDoor.UNSEEN
+        if arrivals.at_accept is not None:
+            placed = arrivals.judged(args[0], accepted_at=accepted_at)
+            if placed:  # refused: answered from its bytes
+                if connections.unread(args[0]):  # requests pipelined behind the refused one: a lingering close
+                    gevent.spawn(self._linger_then_close, *args)
+                else:
+                    self.do_close(*args)
+                return
 
         token = object()
         unstarted = arrivals.unstarted
@@ -151,15 +166,47 @@ class _TimedServer(StreamServer):
         def timed(*a: Any) -> Any:
             unstarted.pop(token, None)
             _connection.accepted_at = accepted_at
+            _connection.placed = placed
             return handle(*a)
 
         unstarted[token] = accepted_at
+        if placed is AtDoor.IN_LINE:  # let in by its line as it was accepted: it waits its turn anyway
+            self._starting.append((token, timed, args))
+            if not self._pumping:
+                self._pumping = True
+                gevent.spawn(self._start_in_turn)
+            return
         try:
             self._spawn(_handle_and_close_when_done, timed, self.do_close, args)
         except BaseException:
             unstarted.pop(token, None)
             self.do_close(*args)
             raise
+
+    def _start_in_turn(self) -> None:
+        """Start the greenlets of the calls let in by their line as their connections were accepted,
+        :data:`START_BATCH` per pass of the event loop over what it has ready (each greenlet waits for the others
+        ready before it, in the order they became ready). Spawned at once, a burst's thousand let in were all ahead
+        of anything that became ready after them: the admission rounds (whose slot at the gate, connection from a
+        pool or token at intake is handed on by the event loop) waited 0.3-0.9 s at each step, behind every one of
+        them, while the device sat idle. Any other connection starts at once: a light caller's, one whose bytes
+        were not all there at its accept (it waits for them), one that is no inference call. Its arrival is its
+        accept (or its first byte's stamp, if later), not its start: the wait here counts against its deadline
+        and the door's delay."""
+        starting, unstarted = self._starting, self.arrivals.unstarted
+        try:
+            while starting:
+                for _ in range(min(START_BATCH, len(starting))):
+                    token, timed, args = starting.popleft()
+                    try:
+                        self._spawn(_handle_and_close_when_done, timed, self.do_close, args)
+                    except BaseException:
+                        unstarted.pop(token, None)
+                        self.do_close(*args)
+                        raise
+                gevent.sleep(0)
+        finally:
+            self._pumping = False
 
     def _linger_then_close(self, *args: Any) -> None:
         connections.linger_close(args[0])
@@ -259,9 +306,26 @@ def _arrived(at: float) -> None:
     _connection.seen_at = at
 
 
+def _held(condition: threading.Condition) -> bool:
+    """``threading.Condition._is_owned`` for a plain lock: whether it is held, without trying to take it."""
+    return bool(condition._lock.locked())  # type: ignore[attr-defined]
+
+
 class ArrivalTimingWorker(GeventWorker):
     settings: Settings
     arrivals: Arrivals
+
+    def patch(self) -> None:
+        """gunicorn's monkey-patching, and one fix to it. A ``threading.Condition`` on a plain lock (every
+        ``queue.Queue``: the Redis and broker connection pools; every ``threading.Semaphore``: the gate's slots)
+        checks that its caller holds the lock, on every notify and wait, by trying to take it without blocking;
+        and gevent's lock, tried without blocking while held, yields to the event loop. Each connection taken or
+        given back, and each slot at the gate given back, then waited for everything else the process had ready:
+        traced in a burst of 3,000 calls, giving a call's slot back took 0.31 s, the first admission round 0.5-0.9
+        s, while the device sat idle. The check here is the same (held, by anyone: a plain lock has no owner)
+        without the attempt."""
+        super().patch()
+        threading.Condition._is_owned = _held  # type: ignore[attr-defined]
 
     def run(self) -> None:
         # the app's (create_app's), loaded by now: its door reads the backlog this worker keeps
@@ -320,6 +384,14 @@ class ArrivalTimingWorker(GeventWorker):
     @staticmethod
     def _write_error(sock: Any, status_int: int, reason: str, mesg: str) -> None:
         connections.write_error(sock, status_int, reason, mesg, getattr(_connection, "path", None))
+
+
+def placed_on_arrival() -> bool:
+    """Whether the door let the request now being handled in by its place in its model's line as it arrived
+    (:meth:`Arrivals.judged`); asked once per request (a pipelined request after it was not judged so)."""
+    in_line = bool(getattr(_connection, "in_line", False))
+    _connection.in_line = False
+    return in_line
 
 
 def arrival() -> tuple[float, float]:

@@ -30,8 +30,8 @@ from tasks.state.fleet import FleetCache
 # a request let in by the queue's view stops counting there this long after the door's own bound on its wait (it
 # was refused or dropped without a verdict)
 ROOM_PENDING_SLACK_S = 0.5
-# calls a second one API process takes through admission while others wait, until it has measured its pace (a
-# 2-core host under a flood: 450-1,200)
+# calls a second one API process takes through admission while others wait, until it has measured its pace over a
+# whole window (a 2-core host under a flood: 450-1,200)
 ROOM_ADMITS_PER_S = 400.0
 # a model not in this process's view of the fleet hash is looked for there again at most this often: a new worker's
 # model is served at once, and a flood of made-up names costs a read of the hash a tenth of a second at most
@@ -151,7 +151,7 @@ class AdmissionQueue:
             return Placed.UNKNOWN
         key = (model, priority)
         ahead = self.room.place(key)
-        through_per_s = self.room.pace() or ROOM_ADMITS_PER_S
+        through_per_s = self.room.pace(ROOM_ADMITS_PER_S) or ROOM_ADMITS_PER_S
         turn_s = self.room.waiting() / through_per_s
         bound_s = self.settings.admission.door_max_delay_s
         if bound_s and waited_s + turn_s > bound_s:

@@ -65,7 +65,7 @@ class Door:
         self._lock = threading.Lock()  # gevent's own lock once gunicorn's worker has monkey-patched threading
 
     def enter(self, arrived_at: float | None = None, caller: str = "",
-              identify: Callable[[], str] | None = None) -> None:
+              identify: Callable[[], str] | None = None, in_line: bool = False) -> None:
         """Count one more request held, or raise QueueFull (nothing counted) when the process holds its share,
         or Overloaded when the request waited longer than the bound for this process to get to it, or would
         wait too long for its turn at admission.
@@ -73,9 +73,16 @@ class Door:
         ``caller`` says who sends it (its API key or X-Tenant header); when it is empty and the request is about
         to be refused, ``identify`` may name it (the tenant in its body). A caller sending well under an even
         share of this process's recent requests is let in late all the same: a burst from one caller must not
-        get the others refused."""
+        get the others refused.
+
+        ``in_line``: the request was let in on arrival by its place in its model's line, its turn at admission
+        reckoned then at the pace the process takes calls through (:meth:`AdmissionQueue.place`). Only lateness
+        refuses it here, not the gate's expected wait: that estimate (slots over the mean time in one) reads a
+        burst's first admission rounds, each held up by the burst's arrivals, as the process's pace, and refused
+        calls the fleet had room for (112-604 of a 3,000-call burst, while the device went idle before the last
+        deadline)."""
         delay = self.last_delay_s = 0.0 if arrived_at is None else self.clock() - arrived_at
-        error = self._behind(delay, caller, identify)
+        error = self._behind(delay, caller, identify, late_only=in_line)
         if error is not None:
             raise error
         with self._lock:
@@ -116,10 +123,13 @@ class Door:
         waiting, oldest_s = self.backlog()
         return max(oldest_s, self.last_delay_s) if waiting else 0.0
 
-    def _behind(self, delay: float, caller: str, identify: Callable[[], str] | None) -> Overloaded | None:
-        """Overloaded when a request ``delay`` behind could not get its turn in time, unless its caller is light
-        (the caller is counted either way)."""
+    def _behind(self, delay: float, caller: str, identify: Callable[[], str] | None,
+                late_only: bool = False) -> Overloaded | None:
+        """Overloaded when a request ``delay`` behind could not get its turn in time (``late_only``: when it is
+        late), unless its caller is light (the caller is counted either way)."""
         lateness = self.lateness(delay)
+        if late_only:
+            lateness = Lateness(behind=lateness.late, late=lateness.late, wait_s=lateness.wait_s)
         if lateness.behind and not caller and identify is not None:
             caller = identify()
         self.callers.arrived(caller)
