@@ -438,3 +438,24 @@ def test_a_condition_on_a_plain_lock_checks_its_owner_without_yielding_to_the_ev
         condition.notify()
     gevent.sleep(0)
     assert ran[-1] == "ready before the notify"
+
+    class Bare:  # a lock-like object with no locked(): asked as the standard library asks
+        def __init__(self) -> None:
+            self.lock = threading.Lock()
+
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            return self.lock.acquire(blocking, timeout)
+
+        def release(self) -> None:
+            self.lock.release()
+
+        __enter__ = acquire
+
+        def __exit__(self, *exc: object) -> None:
+            self.release()
+
+    bare = threading.Condition(Bare())  # type: ignore[arg-type]
+    with bare:
+        bare.notify()
+    with pytest.raises(RuntimeError):
+        bare.notify()

@@ -176,10 +176,13 @@ class _TimedServer(StreamServer):
                 self._pumping = True
                 gevent.spawn(self._start_in_turn)
             return
+        self._start(token, timed, args)
+
+    def _start(self, token: object, timed: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
             self._spawn(_handle_and_close_when_done, timed, self.do_close, args)
         except BaseException:
-            unstarted.pop(token, None)
+            self.arrivals.unstarted.pop(token, None)
             self.do_close(*args)
             raise
 
@@ -193,17 +196,11 @@ class _TimedServer(StreamServer):
         were not all there at its accept (it waits for them), one that is no inference call. Its arrival is its
         accept (or its first byte's stamp, if later), not its start: the wait here counts against its deadline
         and the door's delay."""
-        starting, unstarted = self._starting, self.arrivals.unstarted
+        starting = self._starting
         try:
             while starting:
                 for _ in range(min(START_BATCH, len(starting))):
-                    token, timed, args = starting.popleft()
-                    try:
-                        self._spawn(_handle_and_close_when_done, timed, self.do_close, args)
-                    except BaseException:
-                        unstarted.pop(token, None)
-                        self.do_close(*args)
-                        raise
+                    self._start(*starting.popleft())
                 gevent.sleep(0)
         finally:
             self._pumping = False
@@ -306,9 +303,14 @@ def _arrived(at: float) -> None:
     _connection.seen_at = at
 
 
+_IS_OWNED = threading.Condition._is_owned  # type: ignore[attr-defined]
+
+
 def _held(condition: threading.Condition) -> bool:
-    """``threading.Condition._is_owned`` for a plain lock: whether it is held, without trying to take it."""
-    return bool(condition._lock.locked())  # type: ignore[attr-defined]
+    """``threading.Condition._is_owned`` for a plain lock: whether it is held, without trying to take it (a lock
+    with no ``locked()`` is asked as the standard library does)."""
+    locked = getattr(condition._lock, "locked", None)  # type: ignore[attr-defined]
+    return _IS_OWNED(condition) if locked is None else bool(locked())
 
 
 class ArrivalTimingWorker(GeventWorker):
