@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import logging
 import math
 import resource
 import socket
@@ -320,7 +321,7 @@ def stand(queue: Any, clock: FakeClock) -> None:
 
 
 def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_for_it(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """gunicorn's worker hook reads the fleet, starts the lease and the result listener and opens broker
     connections (:meth:`Services.warm_up`): a process that had never done so did it in its first burst, behind
     every call of the burst (0.2-0.35 s for the fleet read, 0.09 and 0.15-0.26 s for the two starts, 0.1-0.2 s
@@ -353,7 +354,11 @@ def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_fo
         fresh.publisher.close()
     no_broker = Services.from_settings(settings.but(broker_url="amqp://guest:guest@127.0.0.1:1//"))
     monkeypatch.setattr(no_broker.gateway, "start", lambda: None)  # started above, for the fresh process
-    no_broker.warm_up()  # at once, not retrying: the process must start serving (its calls get the 503)
+    with caplog.at_level(logging.INFO, logger="llmb.web"):
+        no_broker.warm_up()  # at once, not retrying: the process must start serving (its calls get the 503)
+    assert "RabbitMQ could not be reached at start" in caplog.text
+    with no_broker.publisher.producers.acquire(block=False) as producer:
+        assert not producer.connection.connected  # nothing half-open left behind: the first publish connects
     no_broker.publisher.close()
     away = Services.from_settings(settings.but(redis_url="redis://127.0.0.1:1/0"))
     started: list[bool] = []
