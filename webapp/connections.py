@@ -169,6 +169,23 @@ def _peek_stamped(sock: socket.socket) -> tuple[bool, float]:
     return bool(data), 0.0
 
 
+def first_byte(sock: socket.socket) -> float | None:
+    """When the first byte waiting on a new connection reached the host (monotonic: the kernel's stamp, else now),
+    or None when nothing has come yet. A connection the client closed or reset has something to see (its end): now."""
+    timeout = sock.gettimeout()
+    try:
+        sock.settimeout(0.0)
+        _, stamp = _peek_stamped(sock)
+        return stamp or time.monotonic()
+    except BlockingIOError:
+        return None
+    except OSError:
+        return time.monotonic()
+    finally:
+        with contextlib.suppress(OSError):
+            sock.settimeout(timeout)
+
+
 class NextRequest:
     """The wait for one request on a connection (gunicorn's ``timeout_ctx``): the idle wait for its first byte on
     entry (StopIteration ends the connection quietly when none comes), then the header timer until the parser
