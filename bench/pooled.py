@@ -40,6 +40,7 @@ from typing import Any
 from harness import pooled, refusal_times
 from harness.services import Vhost
 from harness.stack import Stack
+from tasks.config import Settings
 
 
 def start(tmp: Path, batchers: int = 1, embed: bool = False, **env: object) -> AbstractContextManager[Stack]:
@@ -144,13 +145,14 @@ def cpu_seconds(stack: Stack) -> dict[str, float]:
             "worker": of([stack.pid("gpu0"), *stack.children("gpu0")]), "client": of([os.getpid()])}
 
 
-def burst(tmp: Path, pool: str = "cold", n: int = 3000) -> dict[str, Any]:
+def burst(tmp: Path, pool: str = "cold", n: int = 3000, fresh_key: bool = False) -> dict[str, Any]:
     """``n`` calls at once (5 s deadlines); ``server_429`` is the service's own timing of its refusals, from
-    each request's arrival (:mod:`harness.refusal_times`), beside the client's from each call's start."""
+    each request's arrival (:mod:`harness.refusal_times`), beside the client's from each call's start. The
+    tenant's key was issued before the burst, as an existing tenant's was (:func:`tenant_key`)."""
     if pool == "lean":
-        return _lean_burst(tmp, n)
+        return _lean_burst(tmp, n, fresh_key)
     with start(tmp) as stack:
-        a = key(stack, "a")
+        a = tenant_key(stack, "a", fresh_key)
 
         async def run() -> tuple[list[pooled.Call], dict[str, float], dict[str, Any]]:
             async with pooled.session(per_call=pool == "none") as http:
@@ -162,15 +164,26 @@ def burst(tmp: Path, pool: str = "cold", n: int = 3000) -> dict[str, Any]:
                 return calls, {k: round(v - before[k], 2) for k, v in cpu_seconds(stack).items()}, server
 
         calls, cpu, server = asyncio.run(run())
-    return {"scenario": "burst", "pool": pool, **pooled.summary(calls), "server_429": server, "cpu_s": cpu}
+    return {"scenario": "burst", "pool": pool, "fresh_key": fresh_key, **pooled.summary(calls), "server_429": server,
+            "cpu_s": cpu}
 
 
-def _lean_burst(tmp: Path, n: int) -> dict[str, Any]:
+def tenant_key(stack: Stack, tenant: str, fresh: bool = False) -> str:
+    """A key for ``tenant``: issued a moment before the burst (``fresh``: its first calls look it up, and each API
+    process's key index holds it only from its next load), or as an existing tenant's was, before the processes'
+    last load of their key index (they load it every ``LLMB_AUTH_CACHE_S``): the door then knows it on arrival."""
+    issued = key(stack, tenant)
+    if not fresh:
+        time.sleep(Settings.from_env().tenants.auth_cache_s + 1.0)
+    return issued
+
+
+def _lean_burst(tmp: Path, n: int, fresh_key: bool = False) -> dict[str, Any]:
     """The burst from ``bench/load.py``'s client in a process of its own: plain sockets, a new connection per
     call, 0.57 CPU-s for the burst against aiohttp's 1.3-1.5 (``cpu_s``'s ``client``). On two shared cores
     less of each call's time is then the client's own, as with a client on a host of its own."""
     with start(tmp) as stack:
-        a = key(stack, "a")
+        a = tenant_key(stack, "a", fresh_key)
         before, timed = cpu_seconds(stack), refusal_times.scrape(stack.url)
         out = tmp / "lean.json"
         children = resource.getrusage(resource.RUSAGE_CHILDREN)  # the client is the only child waited for
@@ -184,7 +197,7 @@ def _lean_burst(tmp: Path, n: int) -> dict[str, Any]:
     records = json.loads(out.read_text())["records"]
     ok = [r["ms"] / 1000 for r in records if r["status"] == 200]
     refused = [r["ms"] / 1000 for r in records if r["status"] == 429]
-    return {"scenario": "burst", "pool": "lean", "calls": len(records),
+    return {"scenario": "burst", "pool": "lean", "fresh_key": fresh_key, "calls": len(records),
             "statuses": dict(sorted(collections.Counter(str(r["status"]) for r in records).items())),
             "p50_s": pooled.quantile_s(ok, 50), "p99_s": pooled.quantile_s(ok, 99),
             "p99_429_s": pooled.quantile_s(refused, 99), "server_429": server, "cpu_s": cpu}
@@ -228,6 +241,9 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=1)
     parser.add_argument("--pool", choices=["cold", "warm", "none", "lean"], default="cold",
                         help="burst: the client's connections (see above)")
+    parser.add_argument("--fresh-key", action="store_true",
+                        help="burst: the tenant's key issued a moment before (default: before the API processes' last "
+                             "load of their key index, as an existing tenant's)")
     parser.add_argument("--steady-client", choices=["shared", "own"], default="shared",
                         help="flood: B on the flood's own session, or from a client process of its own")
     args = parser.parse_args()
@@ -238,7 +254,7 @@ def main() -> None:
             elif args.scenario == "idle":
                 row = idle(Path(tmp), args.calls)
             elif args.scenario == "burst":
-                row = burst(Path(tmp), args.pool)
+                row = burst(Path(tmp), args.pool, fresh_key=args.fresh_key)
             else:
                 row = brokercut(Path(tmp))
         print(json.dumps(row), flush=True)

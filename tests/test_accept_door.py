@@ -221,19 +221,30 @@ def test_calls_of_another_model_or_class_and_idempotent_retries_go_the_usual_way
     assert accept(server)
 
 
-def test_with_keys_only_a_key_already_looked_up_is_refused_at_accept(tenants: tuple[KeyStore, TenantDirectory]) -> None:
+def test_with_keys_a_key_the_index_holds_is_judged_at_accept_by_its_tenants_class(
+        tenants: tuple[KeyStore, TenantDirectory]) -> None:
+    """A tenant's key is known on arrival once the process's key index holds it, looked up or not: a tenant quiet
+    for longer than the lookups' TTL has its next burst judged as it arrives, by its own class (an offline
+    tenant's call is not held to the interactive line's verdict). Any other key, or a key issued since the index
+    was loaded, goes the usual way (its 401, or its lookup)."""
     store, directory = tenants
     verdicts = Verdicts()
     verdicts.held["sim", Priority.INTERACTIVE] = QueueFull("full", retry_after_s=2)
     accept = held_door(verdicts, directory, auth="keys")
     _, key = store.create_key("team-a")
+    store.set_tenant("batch", priority="offline")
+    _, offline_key = store.create_key("batch")
     directory.policy("default")  # without keys this would be known; with keys the key decides
-    for headers in ({}, {"Authorization": f"Bearer {key}"}, {"Authorization": "Bearer llmb_00000000_" + "x" * 20}):
+    bad = "Bearer llmb_00000000_" + "x" * 20
+    for headers in ({}, {"Authorization": f"Bearer {key}"}, {"Authorization": bad}):
         _, server = connection(request({"input": "hello"}, headers=headers))
-        assert not accept(server)  # no key, or one not looked up yet: its 401 or admission comes the usual way
-    directory.principal(key)
+        assert not accept(server)  # no key, or one the index does not hold yet: the usual way
+    directory.refresh_index()  # as each API process does between calls; no key is looked up
     _, server = connection(request({"input": "hello"}, headers={"Authorization": f"Bearer {key}"}))
     assert accept(server)
+    for headers in ({"Authorization": f"Bearer {offline_key}"}, {"Authorization": bad}):
+        _, server = connection(request({"input": "hello"}, headers=headers))
+        assert not accept(server)  # offline: not the interactive line's verdict; a bad key: its 401
 
 
 def test_a_light_caller_is_not_held_to_a_floods_full_verdict(tenants: tuple[KeyStore, TenantDirectory]) -> None:

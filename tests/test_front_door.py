@@ -338,6 +338,12 @@ def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_fo
     assert fresh.workers.last == []
     fresh.warm_up()
     assert [w.id for w in fresh.workers.last] == ["gpu0@start"]
+    # the view is kept fresh with no call coming: the door judges a burst's arrivals by it, from memory
+    fresh.fleet.beat(WorkerInfo(id="gpu1@start", queue="q1", model="sim", max_batch=8, state="idle", outstanding=0,
+                                completed=1, batch_started_at=None, batch_ms_estimate=10.0,
+                                heartbeat_at=fresh.clock()))
+    wait_for(lambda: "gpu1@start" in [w.id for w in fresh.workers.last], 10, "the fleet's view kept fresh")
+    fresh.stopping.set()
     # the lease is renewed in Redis, and the result listener subscribes to this process's channel
     wait_for(lambda: fresh.client.zscore(fresh.admission.leases_key, fresh.admission.instance) is not None, 10,
              "the process's admission lease")
@@ -356,6 +362,7 @@ def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_fo
     monkeypatch.setattr(no_broker.gateway, "start", lambda: None)  # started above, for the fresh process
     with caplog.at_level(logging.INFO, logger="llmb.web"):
         no_broker.warm_up()  # at once, not retrying: the process must start serving (its calls get the 503)
+    no_broker.stopping.set()
     assert "RabbitMQ could not be reached at start" in caplog.text
     with no_broker.publisher.producers.acquire(block=False) as producer:
         assert not producer.connection.connected  # nothing half-open left behind: the first publish connects
@@ -364,6 +371,7 @@ def test_a_new_api_process_warms_up_at_start_so_its_first_burst_does_not_wait_fo
     started: list[bool] = []
     monkeypatch.setattr(away.gateway, "start", lambda: started.append(True))  # its threads would retry for good
     away.warm_up()
+    away.stopping.set()
     assert away.workers.last == [] and started == [True]
 
 

@@ -23,6 +23,7 @@ from tasks.store.directory import TenantDirectory
 from tasks.store.models import ApiKeyRecord, Base, TenantRecord, make_engine
 from tasks.store.tenants import (
     KEY_FORMAT,
+    ActiveKey,
     KeyStore,
     hash_key,
     key_id_of,
@@ -71,7 +72,7 @@ class Counting:
             setattr(store, name, self._counted(getattr(store, name)))
         listing = store.active_keys
 
-        def active_keys() -> dict[str, str]:
+        def active_keys() -> dict[str, ActiveKey]:
             self.lists += 1
             return listing()
         store.active_keys = active_keys  # type: ignore[method-assign]
@@ -335,7 +336,7 @@ def test_the_class_a_caller_is_cached_with_is_known_without_a_query(sqlite_store
     clock = FakeClock(start=1000.0)
     directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
     sqlite_store.set_tenant("batchy", priority="offline")
-    _, key = sqlite_store.create_key("batchy")
+    key_id, key = sqlite_store.create_key("batchy")
     assert directory.cached_priority(None, "batchy") is None  # not looked up yet: not known
     assert directory.cached_priority(key, "") is None
     directory.policy("batchy")
@@ -345,7 +346,28 @@ def test_the_class_a_caller_is_cached_with_is_known_without_a_query(sqlite_store
     assert directory.cached_priority(key + "x", "") is None  # another key is not this one
     clock.advance(5)
     assert directory.cached_priority(None, "batchy") is None  # stale: the next call looks it up again
-    assert directory.cached_priority(key, "") is None
+    # a key's class is known past its lookup's TTL: the key index holds it (loaded for that lookup)
+    assert directory.cached_priority(key, "") is Priority.OFFLINE
+    sqlite_store.revoke(key_id)
+    loads = directory._index.loads
+    directory.refresh_index()  # as each API process does every TTL: loaded again, without the revoked key
+    assert directory._index.loads == loads + 1 and directory.cached_priority(key, "") is None
+    directory.refresh_index()  # within the TTL of that load: nothing
+    assert directory._index.loads == loads + 1
+
+
+def test_a_key_issued_while_no_call_came_is_known_after_the_next_refresh(sqlite_store: KeyStore) -> None:
+    """The door places a call on arrival only by what memory holds: a key issued after the index was loaded is
+    known once the process's refresh (every TTL, between calls) has loaded it, with its tenant's class."""
+    clock = FakeClock(start=1000.0)
+    directory = TenantDirectory(sqlite_store, ttl_s=5.0, clock=clock)
+    directory.refresh_index()
+    _, key = sqlite_store.create_key("late")
+    assert directory.cached_priority(key, "") is None and directory.known_caller(key) is None
+    clock.advance(5)
+    directory.refresh_index()
+    assert directory.cached_priority(key, "") is Priority.INTERACTIVE
+    assert directory.known_caller(key) == f"key {key_id_of(key)}"
 
 
 # -- llmb-admin -----------------------------------------------------------------------------------------

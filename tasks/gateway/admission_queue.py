@@ -9,7 +9,6 @@ composition root (:mod:`webapp.services`).
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable
 
@@ -58,7 +57,6 @@ class AdmissionQueue:
         # since when each model's line has held more than its workers take (their outstanding batches) and a full
         # batch each beside: every batch formed meanwhile was full (never standing: only its age is read)
         self.deep = StandingQueue(0.0, 0.0, clock)
-        self._reading_fleet = threading.Lock()  # gevent's once gunicorn's worker has monkey-patched threading
         self._pruned_at = clock()
 
     def cap_for(self, model: str, timeout_s: float, workers: list[WorkerInfo] | None = None,
@@ -139,13 +137,10 @@ class AdmissionQueue:
         fleet answers meanwhile: :func:`tasks.policy.capacity.left_after`); otherwise let in and counted ahead of
         the next. Nothing is judged while no live worker of the model is known (its answer comes the usual
         way)."""
-        fleet = self.workers.last  # the view admission keeps fresh: no I/O here
-        if not fleet:  # this process has not read it yet: one reads it, the others wait for that read
-            with self._reading_fleet:
-                try:
-                    fleet = self.workers.last or live_workers(self.workers)
-                except BatchingError:
-                    return Placed.UNKNOWN
+        # the process's view of the fleet, kept fresh between calls (webapp.services): no I/O here, where a burst's
+        # arrivals are judged in the event loop itself; read there, it failed (gevent cannot switch from the loop),
+        # and a process whose view was empty let a whole burst through unjudged
+        fleet = self.workers.last
         workers = [w for w in fleet if w.model == model]
         if not workers:
             return Placed.UNKNOWN

@@ -22,23 +22,24 @@ from sqlalchemy.exc import SQLAlchemyError
 from tasks.errors import Unauthorized, Unavailable
 from tasks.policy.tenancy import Principal, TenantPolicy, check_tenant_name
 from tasks.schema import Priority
-from tasks.store.tenants import HOW_TO_AUTH, KeyStore, hash_key, key_id_of
+from tasks.store.tenants import HOW_TO_AUTH, ActiveKey, KeyStore, hash_key, key_id_of
 from tasks.store.ttl_cache import LookupCache, RecentMisses
 
 log = logging.getLogger("llmb.tenants")
 
 
 class KeyIndex:
-    """Every active key's id and hash, loaded whole in one query, so a key the index does not hold is refused
-    without a query of its own: a flood of random keys (or of guesses at a public key id) costs the database at
-    most one query per ``retry_s``, however many keys it carries.
+    """Every active key's id, hash and tenant's priority class, loaded whole in one query, so a key the index does
+    not hold is refused without a query of its own: a flood of random keys (or of guesses at a public key id) costs
+    the database at most one query per ``retry_s``, however many keys it carries; and the door can place a known
+    tenant's call on arrival without its key looked up (:meth:`TenantDirectory.cached_priority`).
 
     The index is reloaded once per ``ttl_s`` (by one caller; the others use it meanwhile). A key whose id it does
     not hold may be new: its caller waits for the next reload, at most ``retry_s`` after the last, which every
     such caller shares, so a key issued a moment ago works at once, at the price of up to ``retry_s`` of wait.
     """
 
-    def __init__(self, load: Callable[[], dict[str, str]], ttl_s: float, clock: Callable[[], float],
+    def __init__(self, load: Callable[[], dict[str, ActiveKey]], ttl_s: float, clock: Callable[[], float],
                  sleep: Callable[[float], None], retry_s: float = 1.0) -> None:
         self.load = load
         self.ttl_s = ttl_s
@@ -47,7 +48,7 @@ class KeyIndex:
         self.retry_s = retry_s
         self.loads = 0
         self.failed = False
-        self._hashes: dict[str, str] | None = None
+        self._keys: dict[str, ActiveKey] | None = None
         self._loaded_from = -math.inf  # when the last good load began: it holds every key issued before that
         self._tried_at = -math.inf  # when the last load (good or failed) began
         self._lock = threading.Lock()
@@ -58,7 +59,7 @@ class KeyIndex:
         if arrived - self._loaded_from >= self.ttl_s and arrived - self._tried_at >= self.retry_s:
             self._reload(blocking=False)
         answer = self._answer(key_id, key_hash)
-        if answer is not False or key_id in (self._hashes or {}) or self._loaded_from >= arrived:
+        if answer is not False or key_id in (self._keys or {}) or self._loaded_from >= arrived:
             return answer  # a known id with another hash is a forgery, never a key issued since the load
         wait = self._tried_at + self.retry_s - self.clock()
         if wait > 0:
@@ -68,15 +69,27 @@ class KeyIndex:
 
     def holds(self, key_id: str, key_hash: str) -> bool:
         """Whether the index as loaded holds this active key: from memory only (no load, no wait)."""
-        known = (self._hashes or {}).get(key_id)
-        return known is not None and hmac.compare_digest(known, key_hash)
+        return self.priority(key_id, key_hash) is not None
+
+    def priority(self, key_id: str, key_hash: str) -> Priority | None:
+        """The priority class of this active key's tenant as the index was loaded (None: it holds no such key):
+        from memory only."""
+        known = (self._keys or {}).get(key_id)
+        return known.priority if known is not None and hmac.compare_digest(known.key_hash, key_hash) else None
+
+    def refresh(self) -> None:
+        """Load the index again if it is older than its TTL (another caller loading it: nothing). Run between calls,
+        so that the door knows a key issued while no call came (:meth:`TenantDirectory.cached_priority`)."""
+        now = self.clock()
+        if now - self._loaded_from >= self.ttl_s and now - self._tried_at >= self.retry_s:
+            self._reload(blocking=False)
 
     def _answer(self, key_id: str, key_hash: str) -> bool | None:
-        if self._hashes is None:
+        if self._keys is None:
             return None
-        known = self._hashes.get(key_id)
+        known = self._keys.get(key_id)
         if known is not None:
-            return hmac.compare_digest(known, key_hash)
+            return hmac.compare_digest(known.key_hash, key_hash)
         return None if self.failed else False
 
     def _reload(self, *, blocking: bool, unless_tried_since: float | None = None) -> None:
@@ -88,14 +101,14 @@ class KeyIndex:
             started = self._tried_at = self.clock()
             self.loads += 1
             try:
-                hashes = self.load()
+                keys = self.load()
             except SQLAlchemyError as exc:
                 if not self.failed:
                     log.warning("database unreachable (%s): API keys checked against the list of keys read "
                                 "%.1f s ago", type(exc).__name__, started - self._loaded_from)
                 self.failed = True
                 return
-            self._hashes, self._loaded_from, self.failed = hashes, started, False
+            self._keys, self._loaded_from, self.failed = keys, started, False
         finally:
             self._lock.release()
 
@@ -152,14 +165,24 @@ class TenantDirectory:
         return Unauthorized(f"unknown or revoked API key: {HOW_TO_AUTH}")
 
     def cached_priority(self, key: str | None, tenant: str) -> Priority | None:
-        """The priority class of a caller as far as the caches know it now, without a query (None: not known):
-        that of the tenant of API key ``key`` when one is given (only a key looked up and valid is known), else
-        that of ``tenant`` by name."""
+        """The priority class of a caller as far as memory tells now, without a query (None: not known): that of
+        the tenant of API key ``key`` when one is given (a key looked up lately, or one the index holds), else
+        that of ``tenant`` by name. Only the fresh lookups told it once: a tenant quiet for longer than their TTL
+        (LLMB_AUTH_CACHE_S, 5 s) then had every call of its next burst go the usual way, unjudged on arrival, in
+        each process until its first call was through authentication."""
         if key is not None:
-            found = self._principals.fresh(hash_key(key))
-            return None if found is None else found.tenant.priority
+            slot = hash_key(key)
+            found = self._principals.fresh(slot)
+            if found is not None:
+                return found.tenant.priority
+            key_id = key_id_of(key)
+            return None if key_id is None else self._index.priority(key_id, slot)
         policy = self._policies.fresh(tenant)
         return None if policy is None else policy.priority
+
+    def refresh_index(self) -> None:
+        """Load the key index again once it is older than the TTL (:meth:`KeyIndex.refresh`)."""
+        self._index.refresh()
 
     def known_caller(self, key: str) -> str | None:
         """Who calls with ``key`` as far as memory tells, without a query or a wait (the door names callers with

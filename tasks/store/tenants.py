@@ -55,6 +55,15 @@ class KeyInfo:
     revoked_at: datetime | None
 
 
+@dataclass(frozen=True)
+class ActiveKey:
+    """An active key as each API process's index holds it: its hash, and its tenant's priority class, by which the
+    door places a call on arrival before any lookup of the key (:mod:`webapp.accept_door`)."""
+
+    key_hash: str
+    priority: Priority
+
+
 def new_key() -> tuple[str, str]:
     """(key_id, key): the id is public (lists, logs, revocation); the key is shown once and never stored."""
     key_id = secrets.token_hex(4)
@@ -130,12 +139,15 @@ class KeyStore:
             return [KeyInfo(r.id, r.tenant, r.admin, r.label, _utc(r.created_at),
                             _utc(r.revoked_at) if r.revoked_at else None) for r in session.scalars(query)]
 
-    def active_keys(self) -> dict[str, str]:
-        """Every key not revoked, id -> hash, in one query: what :class:`tasks.store.directory.TenantDirectory`
-        refuses unknown keys by."""
-        query = select(ApiKeyRecord.id, ApiKeyRecord.key_hash).where(ApiKeyRecord.revoked_at.is_(None))
+    def active_keys(self) -> dict[str, ActiveKey]:
+        """Every key not revoked, by id, with its tenant's priority class, in one query: what
+        :class:`tasks.store.directory.TenantDirectory` refuses unknown keys by, and places calls by on arrival."""
+        query = (select(ApiKeyRecord.id, ApiKeyRecord.key_hash, ApiKeyRecord.tenant, TenantRecord)
+                 .outerjoin(TenantRecord, TenantRecord.name == ApiKeyRecord.tenant)
+                 .where(ApiKeyRecord.revoked_at.is_(None)))
         with Session(self.engine) as session:
-            return {key_id: key_hash for key_id, key_hash in session.execute(query)}
+            return {key_id: ActiveKey(key_hash, self._merge(tenant, record).priority)
+                    for key_id, key_hash, tenant, record in session.execute(query)}
 
     def authenticate(self, key: str) -> Principal | None:
         """The key's principal, in one indexed query; None for a malformed, unknown or revoked key."""
