@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import gevent
@@ -73,11 +74,20 @@ def connect(server: _TimedServer) -> socket.socket:
     return client
 
 
-def test_a_request_written_after_the_connect_is_judged_as_its_bytes_come_without_a_greenlet(served: Any) -> None:
-    server, door, handled, pool = served
+@contextmanager
+def awaiting(server: _TimedServer) -> Iterator[socket.socket]:
+    """A client connected to ``server``, once the server watches its connection for a first byte."""
     client = connect(server)
     try:
         until(lambda: len(server._awaiting) == 1)
+        yield client
+    finally:
+        client.close()
+
+
+def test_a_request_written_after_the_connect_is_judged_as_its_bytes_come_without_a_greenlet(served: Any) -> None:
+    server, door, handled, pool = served
+    with awaiting(server) as client:
         assert [c["at_accept"] for c in door.calls] == [True]  # at accept: nothing to judge yet
         assert pool.free_count() == pool.size and not handled
         client.sendall(b"POST /v1/infer HTTP/1.1\r\nHost: api\r\n\r\n")
@@ -86,31 +96,21 @@ def test_a_request_written_after_the_connect_is_judged_as_its_bytes_come_without
         assert door.calls[1]["at_accept"] and abs(door.calls[1]["arrived_at"] - sent) < 0.2  # from its bytes
         until(lambda: not server._awaiting)
         assert client.recv(1024) == REFUSAL and not handled  # answered from the event loop: no greenlet ran
-    finally:
-        client.close()
 
 
 def test_a_connection_whose_request_is_let_in_gets_its_greenlet_when_its_bytes_come(served: Any) -> None:
     server, door, handled, _ = served
-    client = connect(server)
-    try:
-        until(lambda: len(server._awaiting) == 1)
+    with awaiting(server) as client:
         client.sendall(b"POST /v1/infer HTTP/1.1\r\n")  # not all of it: the door cannot judge it from here
         until(lambda: len(handled) == 1)
         assert not server._awaiting and len(door.calls) == 2
-    finally:
-        client.close()
 
 
 def test_a_connection_that_sends_nothing_is_closed_quietly_after_the_first_byte_time(served: Any) -> None:
     server, _, handled, _ = served
-    client = connect(server)
-    try:
-        until(lambda: len(server._awaiting) == 1)
+    with awaiting(server) as client:
         until(lambda: not server._awaiting)
         assert client.recv(1024) == b"" and not handled  # closed without an answer, as an idle connection is
-    finally:
-        client.close()
 
 
 def test_connections_awaiting_their_bytes_count_against_the_pool_and_get_greenlets_when_the_server_stops(
