@@ -4,6 +4,7 @@
     python -m bench.pooled flood --steady-client own  # ... B from a client process of its own
     python -m bench.pooled idle [--calls 500]     # openai clients (max_retries=0) calling every 4.8-5.2 s
     python -m bench.pooled burst [--pool cold]    # 3,000 calls at once into an idle 400/s worker, 5 s deadline
+    python -m bench.pooled burst --fresh-key      # ... the tenant's key issued a moment before (default: earlier)
     python -m bench.pooled brokercut              # 40/s, 4 s deadline, every broker connection closed mid-way
 
 The burst's ``--pool``: ``cold`` (one session whose pool is empty, so each call opens a connection, then kept),
