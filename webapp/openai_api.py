@@ -163,9 +163,11 @@ def embeddings() -> Response:
 @tenancy.authenticated
 def models() -> Response:
     """The models served, then the LoRA adapters of them the caller's tenant may use, each with its ``parent``
-    (its base model) and ``root`` (its directory), as vLLM lists them; another tenant's private ones are not."""
+    (its base model) and ``root`` (its directory), as vLLM lists them; another tenant's private ones are not.
+    The fleet is read for the list, as /readyz reads it: the process's view may be half a heartbeat old, and a
+    client that waited for readiness then listed the models missed a worker that had just joined."""
     s = services()
-    served = s.served_models()
+    served = {w.model for w in s.gateway.live_workers(fresh=True)}
     data: list[dict[str, Any]] = [{"id": m, "object": "model", "created": 0, "owned_by": "llm-batcher"}
                                   for m in sorted(served)]
     data += [{"id": a.name, "object": "model", "created": int(a.created_at.timestamp()),

@@ -275,9 +275,9 @@ class _TimedServer(StreamServer):
         of anything that became ready after them: the admission rounds (whose slot at the gate, connection from a
         pool or token at intake is handed on by the event loop) waited 0.3-0.9 s at each step, behind every one of
         them, while the device sat idle. Any other connection starts at once: a light caller's, one whose bytes
-        were only partly there when it was judged (it waits for the rest), one that is no inference call. Its arrival is its
-        accept (or its first byte's stamp, if later), not its start: the wait here counts against its deadline
-        and the door's delay."""
+        were only partly there when it was judged (it waits for the rest), one that is no inference call. Its
+        arrival is its accept (or its first byte's stamp, if later), not its start: the wait here counts against
+        its deadline and the door's delay."""
         starting = self._starting
         try:
             while starting:
