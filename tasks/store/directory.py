@@ -56,8 +56,7 @@ class KeyIndex:
     def check(self, key_id: str, key_hash: str) -> bool | None:
         """True: an active key; False: not one (refuse); None: cannot tell (the index cannot be loaded)."""
         arrived = self.clock()
-        if arrived - self._loaded_from >= self.ttl_s and arrived - self._tried_at >= self.retry_s:
-            self._reload(blocking=False)
+        self.refresh()
         answer = self._answer(key_id, key_hash)
         if answer is not False or key_id in (self._keys or {}) or self._loaded_from >= arrived:
             return answer  # a known id with another hash is a forgery, never a key issued since the load
@@ -78,8 +77,9 @@ class KeyIndex:
         return known.priority if known is not None and hmac.compare_digest(known.key_hash, key_hash) else None
 
     def refresh(self) -> None:
-        """Load the index again if it is older than its TTL (another caller loading it: nothing). Run between calls,
-        so that the door knows a key issued while no call came (:meth:`TenantDirectory.cached_priority`)."""
+        """Load the index again if it is older than its TTL (another caller loading it: nothing): at each check,
+        and between calls, so that the door knows a key issued while no call came
+        (:meth:`TenantDirectory.cached_priority`)."""
         now = self.clock()
         if now - self._loaded_from >= self.ttl_s and now - self._tried_at >= self.retry_s:
             self._reload(blocking=False)
